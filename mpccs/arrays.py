@@ -1,0 +1,62 @@
+"""Array backend: validation and flat views for numpy (and cupy on GPUs).
+
+Every public call checks its arrays here before any byte moves, so bad input
+fails with a message that names the argument instead of corrupting memory.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .reduce import OPS, SUPPORTED_DTYPES
+
+
+def _is_cupy(arr) -> bool:
+    return type(arr).__module__.startswith("cupy")
+
+
+def check_array(arr, name: str, *, writable: bool = False) -> np.ndarray:
+    """A 1-D view of a C-contiguous numpy array of a supported dtype."""
+    if _is_cupy(arr):
+        raise TypeError(
+            f"{name}: cupy arrays need a GPU build of the planes (cuda_ipc/cuda_copy); "
+            f"this communicator was created for host memory"
+        )
+    if not isinstance(arr, np.ndarray):
+        raise TypeError(f"{name} must be a numpy array, got {type(arr).__name__}")
+    if arr.dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        raise TypeError(f"{name}: dtype {arr.dtype} is not supported; supported: {names}")
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (use np.ascontiguousarray)")
+    if writable and not arr.flags.writeable:
+        raise ValueError(f"{name} is read-only but receives data")
+    return arr.reshape(-1)
+
+
+def check_bytes(arr, name: str, *, writable: bool = False) -> np.ndarray:
+    """Point-to-point: any contiguous array, as a flat uint8 view."""
+    if not isinstance(arr, np.ndarray):
+        raise TypeError(f"{name} must be a numpy array, got {type(arr).__name__}")
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (use np.ascontiguousarray)")
+    if writable and not arr.flags.writeable:
+        raise ValueError(f"{name} is read-only but receives data")
+    return arr.reshape(-1).view(np.uint8)
+
+
+def check_op(op: str, dtype: np.dtype) -> str:
+    if not isinstance(op, str) or op not in OPS:
+        raise ValueError(f"unknown op {op!r}; valid ops: {', '.join(OPS)}")
+    if op == "avg" and dtype.kind not in "fV" and "bfloat16" not in str(dtype):
+        raise TypeError(f"op 'avg' needs a floating dtype, got {dtype}")
+    return op
+
+
+def same_dtype(a: np.ndarray, b: np.ndarray, names=("send", "recv")) -> None:
+    if a.dtype != b.dtype:
+        raise TypeError(f"{names[0]} has dtype {a.dtype} but {names[1]} has {b.dtype}")
+
+
+def check_size(actual: int, expected: int, what: str) -> None:
+    if actual != expected:
+        raise ValueError(f"{what} has {actual} elements, expected {expected}")

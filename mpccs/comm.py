@@ -1,0 +1,406 @@
+"""The Communicator: validates arguments, picks a plan, runs it, returns Work."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import OrderedDict
+from typing import Optional
+
+import numpy as np
+
+from . import arrays
+from . import algorithms
+from .algorithms import Topology
+from .bootstrap import Bootstrap, hostname, rendezvous
+from .config import DEFAULT_UP_TLS_CPU, Options, load_options, parse_policy
+from .engine import CollectiveOp, Engine, Operation, RecvOp, SendOp, Splitter
+from .errors import CommunicatorAborted, ConfigError, MpccsError, TransportError
+from .reduce import finish_avg
+from .telemetry import Telemetry
+from .transports.plane import Plane
+from .windows import OUT, UP
+
+DEFAULT_WINDOW_BYTES = {UP: 4 << 20, OUT: 4 << 20}
+
+
+class Work:
+    """Handle of an operation in flight (``async_op=True``)."""
+
+    def __init__(self, comm: "Communicator", op: Operation, result=None):
+        self._comm = comm
+        self._op = op
+        self._result = result
+
+    def wait(self, timeout: Optional[float] = None):
+        """Block until done; ``timeout`` is the no-progress limit in seconds."""
+        self._comm._wait(self._op, timeout)
+        return self._result
+
+    def is_completed(self) -> bool:
+        if not self._op.finished:
+            self._comm._engine.progress()
+        return self._op.finished
+
+    def stats(self) -> dict:
+        return self._op.stats()
+
+    def exception(self) -> Optional[BaseException]:
+        return self._op.error
+
+
+class Communicator:
+    def __init__(self, boot: Bootstrap, options: Options, comm_id: int = 0):
+        self.rank = boot.rank
+        self.size = boot.size
+        self.options = options
+        self._boot = boot
+        self._closed = False
+        self._aborted: Optional[str] = None
+        self._seq = 0
+        self._send_seq: dict[int, int] = {}
+        self._recv_seq: dict[int, int] = {}
+        self._last_stats: Optional[dict] = None
+        self._schedules: OrderedDict = OrderedDict()
+        self.hosts, self.domains = self._exchange_identity(boot, options)
+        self.domain = self.domains[self.rank]
+        self.local_rank = boot.local_rank if boot.local_rank is not None else self._derive_local_rank()
+        self.topology = Topology(tuple(_domain_ids(self.domains)))
+        self._planes = self._open_planes(options)
+        self._engine = Engine(self.rank, comm_id, self._planes, controller=self._make_controller())
+        self._telemetry = Telemetry(options.trace, self.rank)
+        self._policy = None
+        self.set_path_policy(options.path_policy)
+
+    # -- set-up -------------------------------------------------------------
+    def _exchange_identity(self, boot: Bootstrap, opts: Options):
+        host = hostname()
+        domain = opts.domain or host
+        if boot.store is None:
+            return [host], [domain]
+        boot.store.set(f"info/{boot.rank}", json.dumps({"host": host, "domain": domain, "pid": os.getpid()}).encode())
+        infos = [json.loads(v) for v in boot.store.gather("info", boot.size, opts.rendezvous_timeout_s)]
+        return [i["host"] for i in infos], [i["domain"] for i in infos]
+
+    def _derive_local_rank(self) -> int:
+        return sum(1 for r in range(self.rank) if self.hosts[r] == self.hosts[self.rank])
+
+    def _plane_settings(self, opts: Options) -> dict:
+        settings = {}
+        if UP in opts.planes:
+            settings[UP] = (opts.up_tls or _default_up_tls(), opts.up_devices)
+        if OUT in opts.planes:
+            devices = opts.out_devices
+            if devices is None and len(set(self.hosts)) == 1:
+                devices = "lo"  # a one-host job: keep scale-out traffic on loopback
+            settings[OUT] = (opts.out_tls, devices)
+        return settings
+
+    def _open_planes(self, opts: Options) -> dict:
+        planes = {name: Plane(name, tls, dev, self.rank) for name, (tls, dev) in self._plane_settings(opts).items()}
+        if self.size == 1:
+            return planes
+        store = self._boot.store
+        for name, plane in planes.items():
+            store.set(f"addr/{name}/{self.rank}", plane.address)
+        for name, plane in planes.items():
+            addresses = store.gather(f"addr/{name}", self.size, opts.rendezvous_timeout_s)
+            for peer, address in enumerate(addresses):
+                if peer == self.rank:
+                    continue
+                if name == UP and self.domains[peer] != self.domain:
+                    continue  # the scale-up fabric stops at the domain's edge
+                plane.connect(peer, address)
+        return planes
+
+    def _make_controller(self):
+        try:
+            from .control import ControlConfig, PathController
+        except ImportError:
+            return None
+        return PathController(ControlConfig(out_cap_share=self.options.out_cap_share))
+
+    # -- public attributes -------------------------------------------------
+    @property
+    def planes(self) -> dict[str, list[int]]:
+        """Which peers each plane reaches."""
+        return {name: plane.peers for name, plane in self._planes.items()}
+
+    @property
+    def path_policy(self):
+        return self._policy
+
+    def set_path_policy(self, policy) -> None:
+        """'up', 'out', 'adaptive', or a fixed fraction of bytes on 'up'."""
+        policy = parse_policy(policy)
+        if not self.options.multipath and policy != "up":
+            raise ConfigError("multipath is disabled (MPCCS_MULTIPATH=0): only the 'up' policy is allowed")
+        forced = UP if policy == "up" else OUT if policy == "out" else None
+        if forced is not None and forced not in self._planes:
+            raise ConfigError(
+                f"path policy {policy!r} forces plane {forced!r}, which is disabled "
+                f"(MPCCS_PLANES={','.join(self.options.planes)})"
+            )
+        if forced == UP and self.size > 1 and not self._planes[UP].peers and OUT not in self._planes:
+            raise ConfigError("path policy 'up' but the scale-up plane reaches no peer and 'out' is disabled")
+        if OUT not in self._planes and len(set(self.domains)) > 1:
+            raise ConfigError("plane 'out' is disabled but ranks span several domains: nothing would reach them")
+        self._policy = policy
+
+    def last_stats(self) -> Optional[dict]:
+        return self._last_stats
+
+    # -- lifecycle -------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise MpccsError("communicator is closed")
+        if self._aborted:
+            raise CommunicatorAborted(f"communicator was aborted: {self._aborted}")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        if self.size > 1 and not self._aborted:
+            try:
+                self.barrier()
+            except MpccsError:
+                pass
+        self._closed = True
+        for plane in self._planes.values():
+            plane.close()
+        self._telemetry.close()
+        self._boot.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- running operations -------------------------------------------------
+    def _splitter(self) -> Splitter:
+        return Splitter(self._policy, self._planes, DEFAULT_WINDOW_BYTES, self._engine.controller)
+
+    def _submit(self, op: Operation, result, async_op: bool):
+        op.on_finish.append(self._record)
+        self._engine.submit(op)
+        work = Work(self, op, result)
+        return work if async_op else work.wait()
+
+    def _record(self, op: Operation) -> None:
+        stats = op.stats()
+        if op.error is None:
+            self._last_stats = stats
+        else:
+            stats["error"] = str(op.error)
+        self._telemetry.record(stats)
+
+    def _wait(self, op: Operation, timeout: Optional[float]) -> None:
+        self._check_usable()
+        try:
+            self._engine.wait(op, self.options.timeout_s if timeout is None else timeout)
+        except TransportError as exc:
+            self._aborted = str(exc)
+            raise
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    # -- point-to-point -----------------------------------------------------
+    def _check_peer(self, peer, name: str) -> int:
+        if not isinstance(peer, (int, np.integer)) or not 0 <= int(peer) < self.size:
+            raise ValueError(f"{name}={peer!r} is not a rank of this communicator (size {self.size})")
+        if int(peer) == self.rank:
+            raise ValueError(f"{name}={peer} is this rank; use a local copy")
+        return int(peer)
+
+    def isend(self, buf, dst: int) -> Work:
+        self._check_usable()
+        dst = self._check_peer(dst, "dst")
+        view = arrays.check_bytes(buf, "buf")
+        seq = self._send_seq.get(dst, 0) + 1
+        self._send_seq[dst] = seq
+        return self._submit(SendOp(self._engine, seq, view, dst, self._splitter(), self.options.chunk_bytes), None, True)
+
+    def irecv(self, buf, src: int) -> Work:
+        self._check_usable()
+        src = self._check_peer(src, "src")
+        view = arrays.check_bytes(buf, "buf", writable=True)
+        seq = self._recv_seq.get(src, 0) + 1
+        self._recv_seq[src] = seq
+        return self._submit(RecvOp(self._engine, seq, view, src, self.options.chunk_bytes), buf, True)
+
+    def send(self, buf, dst: int) -> None:
+        self.isend(buf, dst).wait()
+
+    def recv(self, buf, src: int):
+        return self.irecv(buf, src).wait()
+
+    # -- collectives ---------------------------------------------------------
+    def _schedule(self, collective: str, count: int, nbytes: int, root=None, **extra):
+        algorithm = extra.pop("algorithm", None) or algorithms.default_algorithm(collective, self.size, nbytes, self.topology)
+        if algorithm not in algorithms.ALGORITHMS[collective]:
+            raise ValueError(f"unknown algorithm {algorithm!r} for {collective}; valid: {', '.join(algorithms.ALGORITHMS[collective])}")
+        key = (collective, count, algorithm, root, tuple(sorted((k, _hashable(v)) for k, v in extra.items())))
+        schedule = self._schedules.get(key)
+        if schedule is None:
+            schedule = algorithms.build_schedule(collective, self.size, count, algorithm=algorithm, topology=self.topology,
+                                      root=root or 0, **extra)
+            self._schedules[key] = schedule
+            if len(self._schedules) > 256:
+                self._schedules.popitem(last=False)
+        else:
+            self._schedules.move_to_end(key)
+        return schedule
+
+    def _run(self, name, schedule, buffers, dtype, op, result, async_op, finalize=None):
+        self._check_usable()
+        cop = CollectiveOp(self._engine, self._next_seq(), schedule, buffers, dtype, op, self._splitter(),
+                           self.options.chunk_bytes, name, finalize)
+        return self._submit(cop, result, async_op)
+
+    def _avg(self, op, buf):
+        return (lambda: finish_avg(buf, self.size)) if op == "avg" else None
+
+    def all_reduce(self, send, recv=None, op: str = "sum", *, async_op: bool = False, algorithm=None):
+        """Reduce ``send`` over all ranks into ``recv`` (in place when recv is None)."""
+        self._check_usable()
+        s = arrays.check_array(send, "send", writable=recv is None)
+        r = s if recv is None else arrays.check_array(recv, "recv", writable=True)
+        arrays.same_dtype(s, r)
+        arrays.check_size(r.size, s.size, "recv")
+        arrays.check_op(op, s.dtype)
+        sched = self._schedule("all_reduce", s.size, s.nbytes, algorithm=algorithm)
+        return self._run("all_reduce", sched, {"in": s, "out": r}, s.dtype, op,
+                         send if recv is None else recv, async_op, self._avg(op, r))
+
+    def reduce_scatter(self, send, recv, op: str = "sum", *, async_op: bool = False, algorithm=None):
+        """Rank i receives the reduction of block i (send.size == size * recv.size)."""
+        self._check_usable()
+        s = arrays.check_array(send, "send")
+        r = arrays.check_array(recv, "recv", writable=True)
+        arrays.same_dtype(s, r)
+        arrays.check_size(s.size, self.size * r.size, "send (size x recv)")
+        arrays.check_op(op, s.dtype)
+        sched = self._schedule("reduce_scatter", r.size, s.nbytes, algorithm=algorithm)
+        work = np.empty(sched.work_count, dtype=s.dtype)
+        return self._run("reduce_scatter", sched, {"in": s, "out": r, "work": work}, s.dtype, op, recv,
+                         async_op, self._avg(op, r))
+
+    def all_gather(self, send, recv, *, async_op: bool = False, algorithm=None):
+        """Block i of ``recv`` is rank i's ``send`` (recv.size == size * send.size)."""
+        self._check_usable()
+        s = arrays.check_array(send, "send")
+        r = arrays.check_array(recv, "recv", writable=True)
+        arrays.same_dtype(s, r)
+        arrays.check_size(r.size, self.size * s.size, "recv (size x send)")
+        sched = self._schedule("all_gather", s.size, r.nbytes, algorithm=algorithm)
+        return self._run("all_gather", sched, {"in": s, "out": r}, s.dtype, "sum", recv, async_op)
+
+    def all_to_all(self, send, recv, *, async_op: bool = False, algorithm=None):
+        """Block j of ``send`` goes to rank j; block i of ``recv`` came from rank i."""
+        self._check_usable()
+        s = arrays.check_array(send, "send")
+        r = arrays.check_array(recv, "recv", writable=True)
+        arrays.same_dtype(s, r)
+        arrays.check_size(r.size, s.size, "recv")
+        if s.size % self.size:
+            raise ValueError(f"send has {s.size} elements, not a multiple of the communicator size {self.size}")
+        sched = self._schedule("all_to_all", s.size // self.size, s.nbytes, algorithm=algorithm)
+        return self._run("all_to_all", sched, {"in": s, "out": r}, s.dtype, "sum", recv, async_op)
+
+    def all_to_allv(self, send, send_counts, recv, recv_counts, *, async_op: bool = False):
+        """Uneven all-to-all: send_counts[j] elements to rank j, recv_counts[i] from rank i."""
+        self._check_usable()
+        s = arrays.check_array(send, "send")
+        r = arrays.check_array(recv, "recv", writable=True)
+        arrays.same_dtype(s, r)
+        sc = _counts(send_counts, self.size, "send_counts")
+        rc = _counts(recv_counts, self.size, "recv_counts")
+        arrays.check_size(s.size, sum(sc), "send (sum of send_counts)")
+        arrays.check_size(r.size, sum(rc), "recv (sum of recv_counts)")
+        sched = algorithms.build_schedule("all_to_allv", self.size, 0, algorithm="pairwise", topology=self.topology,
+                               send_counts=sc, recv_counts=rc, rank=self.rank)
+        return self._run("all_to_allv", sched, {"in": s, "out": r}, s.dtype, "sum", recv, async_op)
+
+    def broadcast(self, buf, root: int = 0, *, async_op: bool = False, algorithm=None):
+        self._check_usable()
+        root = self._check_root(root)
+        b = arrays.check_array(buf, "buf", writable=True)
+        sched = self._schedule("broadcast", b.size, b.nbytes, root=root, algorithm=algorithm)
+        return self._run("broadcast", sched, {"in": b, "out": b}, b.dtype, "sum", buf, async_op)
+
+    def reduce(self, send, recv=None, op: str = "sum", root: int = 0, *, async_op: bool = False, algorithm=None):
+        """Reduction over ranks into ``recv`` on ``root`` (in place on root when recv is None)."""
+        self._check_usable()
+        root = self._check_root(root)
+        s = arrays.check_array(send, "send", writable=recv is None and self.rank == root)
+        r = None
+        if self.rank == root:
+            r = s if recv is None else arrays.check_array(recv, "recv", writable=True)
+            arrays.same_dtype(s, r)
+            arrays.check_size(r.size, s.size, "recv")
+        arrays.check_op(op, s.dtype)
+        sched = self._schedule("reduce", s.size, s.nbytes, root=root, algorithm=algorithm)
+        work = np.empty(sched.work_count, dtype=s.dtype)
+        out = r if r is not None else np.empty(0, dtype=s.dtype)
+        result = (send if recv is None else recv) if self.rank == root else None
+        return self._run("reduce", sched, {"in": s, "out": out, "work": work}, s.dtype, op, result, async_op,
+                         self._avg(op, r) if r is not None else None)
+
+    def barrier(self) -> None:
+        self._check_usable()
+        if self.size == 1:
+            return
+        token = np.zeros(1, dtype=np.uint8)
+        sched = self._schedule("all_reduce", 1, 1, algorithm="rd" if "rd" in algorithms.ALGORITHMS["all_reduce"] else None)
+        policy = self._policy
+        self._policy = "up" if UP in self._planes else "out"  # control traffic: lowest latency, no split
+        try:
+            self._run("barrier", sched, {"in": token, "out": token}, token.dtype, "max", None, False)
+        finally:
+            self._policy = policy
+
+    def _check_root(self, root) -> int:
+        if not isinstance(root, (int, np.integer)) or not 0 <= int(root) < self.size:
+            raise ValueError(f"root={root!r} is out of range for communicator size {self.size}")
+        return int(root)
+
+
+def _hashable(value):
+    return tuple(value) if isinstance(value, (list, tuple, np.ndarray)) else value
+
+
+def _counts(counts, size: int, name: str) -> list[int]:
+    values = [int(c) for c in counts]
+    if len(values) != size:
+        raise ValueError(f"{name} has {len(values)} entries, expected one per rank ({size})")
+    if any(c < 0 for c in values):
+        raise ValueError(f"{name} has a negative entry")
+    return values
+
+
+def _domain_ids(domains: list[str]) -> list[int]:
+    ids: dict[str, int] = {}
+    return [ids.setdefault(d, len(ids)) for d in domains]
+
+
+def _default_up_tls() -> str:
+    from .gpu import gpu_available
+
+    return DEFAULT_UP_TLS_CPU + (",cuda_ipc,cuda_copy" if gpu_available() else "")
+
+
+def init(**options) -> Communicator:
+    """Find the other ranks, open both planes, return the world communicator.
+
+    Keyword options override MPCCS_* variables (see docs/configuration.md).
+    """
+    opts = load_options(**options)
+    boot = rendezvous(timeout_s=opts.rendezvous_timeout_s)
+    try:
+        return Communicator(boot, opts)
+    except BaseException:
+        boot.close()
+        raise

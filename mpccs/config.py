@@ -1,0 +1,178 @@
+"""Runtime options: one object, documented defaults, ``MPCCS_*`` environment
+overrides, ``mpccs.init(**kwargs)`` overrides on top. Unknown keys are refused
+(as mpi4py's ``rc`` does), so a typo never silently falls back to a default.
+
+The full reference with every key is docs/configuration.md.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Optional, Union
+
+from .errors import ConfigError
+
+PLANE_NAMES = ("up", "out")
+
+# Transport names UCX accepts in UCX_TLS (aliases included). Checked so that a
+# typo fails at init with the list, not deep inside UCX with "no such device".
+KNOWN_TLS = (
+    "all", "sm", "shm", "mm", "posix", "sysv", "cma", "knem", "xpmem", "self",
+    "tcp", "ib", "rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "ud", "ud_v", "ud_x",
+    "ud_verbs", "ud_mlx5", "dc", "dc_x", "dc_mlx5", "cuda", "cuda_copy", "cuda_ipc",
+    "gdr_copy", "rocm", "rocm_copy", "rocm_ipc", "rocm_gdr", "ze_copy", "ze_ipc",
+)
+
+DEFAULT_UP_TLS_CPU = "posix,cma,sysv,self"
+DEFAULT_UP_TLS_GPU_EXTRA = "cuda_ipc,cuda_copy"
+DEFAULT_OUT_TLS = "tcp"
+
+PathPolicy = Union[str, float]
+
+
+def parse_tls(value: str, plane: str) -> str:
+    """Validate a comma-separated UCX transport list; '^' negation is allowed."""
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    if not names:
+        raise ConfigError(f"plane {plane!r}: empty transport list")
+    for name in names:
+        bare = name.lstrip("^")
+        base = bare.split(":")[0]
+        if base not in KNOWN_TLS:
+            raise ConfigError(
+                f"plane {plane!r}: unknown UCX transport {name!r}; valid names: {', '.join(KNOWN_TLS)}"
+            )
+    return ",".join(names)
+
+
+def parse_planes(value: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    if not names:
+        raise ConfigError("MPCCS_PLANES is empty; valid planes: up, out")
+    for name in names:
+        if name not in PLANE_NAMES:
+            raise ConfigError(f"unknown plane {name!r}; valid planes: {', '.join(PLANE_NAMES)}")
+    return names
+
+
+def parse_policy(value: PathPolicy) -> PathPolicy:
+    """'up', 'out', 'adaptive', or a float fraction of bytes on 'up' in [0, 1]."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        frac = float(value)
+    elif isinstance(value, str) and value in ("up", "out", "adaptive"):
+        return value
+    else:
+        try:
+            frac = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"unknown path policy {value!r}; valid: 'up', 'out', 'adaptive' or a fraction in [0, 1]"
+            ) from None
+    if not 0.0 <= frac <= 1.0:
+        raise ConfigError(f"path policy fraction {frac} is outside [0, 1]")
+    return frac
+
+
+def parse_size(value: Union[str, int]) -> int:
+    """'1M', '256K', '4096' -> bytes (binary units)."""
+    if isinstance(value, int):
+        return value
+    text = str(value).strip().upper().rstrip("B").rstrip("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    digits = text[:-1] if text[-1:] in "KMG" else text
+    try:
+        return int(float(digits) * mult)
+    except ValueError:
+        raise ConfigError(f"cannot read size {value!r} (examples: 4096, 256K, 1M)") from None
+
+
+def parse_bool(value) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "y", "yes", "true", "on"):
+        return True
+    if text in ("0", "n", "no", "false", "off"):
+        return False
+    raise ConfigError(f"cannot read boolean {value!r} (use 0 or 1)")
+
+
+@dataclass(frozen=True)
+class Options:
+    planes: tuple[str, ...] = PLANE_NAMES
+    up_tls: Optional[str] = None  # None: CPU default, plus cuda_ipc,cuda_copy with a GPU
+    up_devices: Optional[str] = None
+    out_tls: str = DEFAULT_OUT_TLS
+    out_devices: Optional[str] = None  # None: 'lo' when every rank is on one host, else all
+    domain: Optional[str] = None  # None: the host name
+    path_policy: PathPolicy = "adaptive"
+    multipath: bool = True
+    chunk_bytes: int = 1 << 20
+    timeout_s: float = 60.0  # no-progress timeout, not wall time
+    rendezvous_timeout_s: float = 60.0
+    tune: Optional[str] = None
+    trace: Optional[str] = None
+    out_cap_share: float = 1.0
+    fingerprint: bool = True
+
+
+# option name -> (environment variable, parser)
+_ENV = {
+    "planes": ("MPCCS_PLANES", parse_planes),
+    "up_tls": ("MPCCS_UP_TLS", lambda v: parse_tls(v, "up")),
+    "up_devices": ("MPCCS_UP_DEVICES", str),
+    "out_tls": ("MPCCS_OUT_TLS", lambda v: parse_tls(v, "out")),
+    "out_devices": ("MPCCS_OUT_DEVICES", str),
+    "domain": ("MPCCS_DOMAIN", str),
+    "path_policy": ("MPCCS_PATH", parse_policy),
+    "multipath": ("MPCCS_MULTIPATH", parse_bool),
+    "chunk_bytes": ("MPCCS_CHUNK", parse_size),
+    "timeout_s": ("MPCCS_TIMEOUT", float),
+    "rendezvous_timeout_s": ("MPCCS_RENDEZVOUS_TIMEOUT", float),
+    "tune": ("MPCCS_TUNE", str),
+    "trace": ("MPCCS_TRACE", str),
+    "out_cap_share": ("MPCCS_OUT_CAP", float),
+    "fingerprint": ("MPCCS_FINGERPRINT", parse_bool),
+}
+
+
+def _parse_override(name: str, value):
+    """Keyword overrides go through the same parsers as the environment."""
+    _, parse = _ENV[name]
+    if name == "planes" and isinstance(value, (list, tuple)):
+        return parse_planes(",".join(value))
+    if isinstance(value, str) or name == "path_policy":
+        return parse(value)
+    return value
+
+
+def load_options(environ=None, **overrides) -> Options:
+    """Defaults, then MPCCS_* variables, then keyword overrides (validated)."""
+    environ = os.environ if environ is None else environ
+    valid = {f.name for f in fields(Options)}
+    unknown = sorted(set(overrides) - valid)
+    if unknown:
+        raise ConfigError(f"unknown option(s) {unknown}; valid: {', '.join(sorted(valid))}")
+    values = {}
+    for name, (var, parse) in _ENV.items():
+        if var in environ and environ[var] != "":
+            try:
+                values[name] = parse(environ[var])
+            except ConfigError as exc:
+                raise ConfigError(f"{var}: {exc}") from None
+            except ValueError:
+                raise ConfigError(f"{var}={environ[var]!r} is not a valid value") from None
+    for name, value in overrides.items():
+        if value is not None:
+            values[name] = _parse_override(name, value)
+    opts = replace(Options(), **values)
+    if not opts.multipath:
+        # MPCCS_MULTIPATH=0 is exactly the single-plane library.
+        opts = replace(opts, path_policy="up")
+    if opts.chunk_bytes < 4096:
+        raise ConfigError(f"chunk_bytes={opts.chunk_bytes} is below the 4096-byte minimum")
+    if not 0.0 <= opts.out_cap_share <= 1.0:
+        raise ConfigError(f"out_cap_share={opts.out_cap_share} is outside [0, 1]")
+    if opts.timeout_s <= 0:
+        raise ConfigError("timeout_s must be positive")
+    return opts

@@ -1,0 +1,759 @@
+"""Runs coflow DAGs and point-to-point messages on the planes.
+
+One rank's engine is single-threaded: whoever waits on a ``Work`` drives
+``Engine.progress()``, which advances every operation in flight (so several
+operations may be outstanding and complete in any order). No progress thread:
+on small machines a busy-polling thread starves the ranks themselves.
+
+Per stage, every outgoing flow is cut into chunks (``windows.FlowCursor``):
+'up' takes chunks from the head, 'out' from the tail, each plane keeps at most
+its window of bytes in flight, and where the policy allows it a plane that
+runs ahead steals unstarted chunks from the other's end. The receiver probes
+both planes for the flow's tag prefix, reads the chunk index from the sender's
+tag, validates it (index in range, not seen before, exact length) and places
+the chunk by its offset: copied flows land directly in the destination,
+reduced flows land in a scratch chunk and are folded in as ``dst = op(dst,
+chunk)`` while later chunks are still on the wire. Which plane carried a
+chunk never changes the order of operands, so results are bit-identical under
+every path policy.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+
+from . import wire
+from .algorithms.schedule import Flow, Schedule, Stage
+from .errors import OperationTimeout, ProtocolError, TransportError
+from .reduce import finish_avg, reduce_into
+from .windows import OUT, UP, FlowCursor, boundary_for, chunk_count, chunk_range, flow_chunk_elems
+
+MIN_CHUNK_BYTES = 64 << 10
+
+
+# ---------------------------------------------------------------------------
+# split decisions
+# ---------------------------------------------------------------------------
+@dataclass
+class FlowSplit:
+    boundary_bytes: int  # bytes planned on 'up' (a prefix of the flow)
+    steal: bool
+    out_cap_bytes: Optional[int] = None
+
+
+@dataclass
+class StagePlan:
+    splits: dict[int, FlowSplit]  # flow id -> split
+    window_bytes: dict[str, int]
+    reason: dict = field(default_factory=dict)
+
+
+class Splitter:
+    """Turns the communicator's path policy into per-stage splits.
+
+    Fixed policies ('up', 'out', a fraction) are decided here; 'adaptive'
+    asks the controller (mpccs.control) when one is attached.
+    """
+
+    def __init__(self, policy, planes: dict, window_bytes: dict[str, int], controller=None):
+        self.policy = policy
+        self.planes = planes
+        self.window_bytes = window_bytes
+        self.controller = controller
+
+    def reach(self, peer: int) -> tuple[bool, bool]:
+        up = self.planes.get(UP)
+        out = self.planes.get(OUT)
+        return (up is not None and up.reaches(peer), out is not None and out.reaches(peer))
+
+    def plan(self, flows: list[tuple[Flow, int]], now: float) -> StagePlan:
+        """flows: (flow, nbytes) this rank sends in the stage."""
+        if self.policy == "adaptive" and self.controller is not None:
+            return self._adaptive(flows, now)
+        splits = {f.id: self._fixed(f, nbytes) for f, nbytes in flows}
+        return StagePlan(splits, dict(self.window_bytes), {"policy": _policy_name(self.policy)})
+
+    def _fixed(self, flow: Flow, nbytes: int) -> FlowSplit:
+        up_ok, out_ok = self.reach(flow.dst)
+        policy = self.policy
+        if not (up_ok and out_ok):
+            return FlowSplit(nbytes if up_ok else 0, False)
+        if policy == "out":
+            return FlowSplit(0, False)
+        if isinstance(policy, float):
+            return FlowSplit(int(round(policy * nbytes)), False)
+        # 'up', and 'adaptive' without a controller: the single-plane default.
+        return FlowSplit(nbytes, False)
+
+    def _adaptive(self, flows, now) -> StagePlan:
+        from .control import FlowDemand
+
+        demands = []
+        for f, nbytes in flows:
+            up_ok, out_ok = self.reach(f.dst)
+            planes = tuple(p for p, ok in ((UP, up_ok), (OUT, out_ok)) if ok)
+            demands.append(FlowDemand(flow_id=f.id, src=f.src, dst=f.dst, nbytes=nbytes, planes=planes))
+        decision = self.controller.decide(demands, now)
+        splits = {
+            f.id: FlowSplit(decision.up_bytes.get(f.id, 0), decision.steal, decision.out_cap_bytes.get(f.id))
+            for f, _ in flows
+        }
+        windows = {p: max(decision.window_bytes.get(p, 0), self.window_bytes[p]) for p in self.window_bytes}
+        return StagePlan(splits, windows, {"policy": "adaptive", **decision.reason, "decision": decision})
+
+
+def _policy_name(policy) -> str:
+    return f"{policy:g}" if isinstance(policy, float) else str(policy)
+
+
+# ---------------------------------------------------------------------------
+# per-flow state
+# ---------------------------------------------------------------------------
+class OutFlow:
+    __slots__ = ("flow", "view", "chunk_elems", "itemsize", "cursor", "tag_base", "peer", "pending")
+
+    def __init__(self, flow: Flow, view: np.ndarray, chunk_elems: int, split: FlowSplit, tag_base: int):
+        self.flow = flow
+        self.view = view  # typed 1-D source range
+        self.chunk_elems = chunk_elems
+        self.itemsize = view.dtype.itemsize
+        nchunks = chunk_count(flow.count, chunk_elems)
+        chunk_bytes = chunk_elems * self.itemsize
+        cap = None
+        if split.out_cap_bytes is not None:
+            cap = split.out_cap_bytes // chunk_bytes
+        self.cursor = FlowCursor(nchunks, boundary_for(split.boundary_bytes, flow.count * self.itemsize, nchunks), split.steal, cap)
+        self.tag_base = tag_base
+        self.peer = flow.dst
+        self.pending = 0  # chunks posted, not completed
+
+    @property
+    def done(self) -> bool:
+        return self.cursor.remaining() == 0 and self.pending == 0
+
+
+class InFlow:
+    __slots__ = ("flow", "view", "chunk_elems", "nchunks", "seen", "arrived", "tag_base", "reduce", "peer", "planes")
+
+    def __init__(self, flow: Flow, view: np.ndarray, chunk_elems: int, tag_base: int, planes: list):
+        self.flow = flow
+        self.view = view  # typed 1-D destination range
+        self.chunk_elems = chunk_elems
+        self.nchunks = chunk_count(flow.count, chunk_elems)
+        self.seen = bytearray(self.nchunks)
+        self.arrived = 0  # chunks whose data has landed (and been reduced)
+        self.tag_base = tag_base
+        self.reduce = flow.reduce
+        self.peer = flow.src
+        self.planes = planes
+
+    @property
+    def done(self) -> bool:
+        return self.arrived == self.nchunks
+
+
+@dataclass
+class StageRun:
+    stage: Stage
+    outs: list
+    ins: list
+    plan: Optional[StagePlan]
+    t_start: float
+    t_end: Optional[float] = None
+    bytes_by_plane: dict = field(default_factory=lambda: {UP: 0, OUT: 0})
+
+    @property
+    def done(self) -> bool:
+        return all(o.done for o in self.outs) and all(i.done for i in self.ins)
+
+
+# ---------------------------------------------------------------------------
+# operations
+# ---------------------------------------------------------------------------
+class Operation:
+    """Base of everything the engine drives. Subclasses implement _advance()."""
+
+    name = "op"
+
+    def __init__(self, engine: "Engine", seq: int):
+        self.engine = engine
+        self.seq = seq
+        self.finished = False
+        self.error: Optional[BaseException] = None
+        self.t_start = time.perf_counter()
+        self.t_end: Optional[float] = None
+        self.last_progress = self.t_start
+        self.bytes_per_plane = {UP: 0, OUT: 0}
+        self.result = None
+        self.on_finish: list[Callable] = []
+
+    def advance(self) -> bool:
+        if self.finished:
+            return False
+        try:
+            moved = self._advance()
+        except BaseException as exc:  # noqa: BLE001 - recorded and re-raised by wait()
+            self._fail(exc)
+            return True
+        if moved:
+            self.last_progress = time.perf_counter()
+        return moved
+
+    def _fail(self, exc: BaseException) -> None:
+        self.error = exc
+        self._finish()
+
+    def _finish(self) -> None:
+        self.finished = True
+        self.t_end = time.perf_counter()
+        for callback in self.on_finish:
+            callback(self)
+
+    def stalled_for(self, now: float) -> float:
+        return now - self.last_progress
+
+    def describe_stall(self) -> dict:
+        return {}
+
+    def stats(self) -> dict:
+        return {
+            "op": self.name,
+            "seq": self.seq,
+            "duration_s": (self.t_end or time.perf_counter()) - self.t_start,
+            "bytes_per_plane": dict(self.bytes_per_plane),
+        }
+
+
+class CollectiveOp(Operation):
+    def __init__(self, engine, seq, schedule: Schedule, buffers: dict, dtype, op: str,
+                 splitter: Splitter, chunk_bytes: int, name: str, finalize: Optional[Callable] = None):
+        super().__init__(engine, seq)
+        self.name = name
+        self.schedule = schedule
+        self.buffers = buffers  # "in"/"out"/"work" -> typed 1-D arrays
+        self.dtype = np.dtype(dtype)
+        self.op = op
+        self.splitter = splitter
+        self.itemsize = self.dtype.itemsize
+        self.plan_chunk_elems = max(1, chunk_bytes // self.itemsize)
+        self.min_chunk_elems = max(1, MIN_CHUNK_BYTES // self.itemsize)
+        self.finalize = finalize
+        rank = engine.rank
+        self.rank = rank
+        self.remaining_deps: dict[int, int] = {}
+        self.dependents: dict[int, list[int]] = {}
+        self.local_stages = set()
+        self.active: list[StageRun] = []
+        self.stage_log: list[dict] = []
+        self.out_chunks: list = []  # (req, outflow, plane, nbytes, t_post, stagerun)
+        self.in_chunks: list = []  # (req, inflow, index, scratch, stagerun, plane, nbytes)
+        self.inflight = {UP: 0, OUT: 0}
+        self.window = dict(splitter.window_bytes)
+        self.stages_done = 0
+        self._prepare()
+
+    # -- setup ------------------------------------------------------------
+    def _prepare(self) -> None:
+        for stage in self.schedule.stages:
+            self.remaining_deps[stage.id] = len(stage.deps)
+            for d in stage.deps:
+                self.dependents.setdefault(d, []).append(stage.id)
+        self._run_copies(self.schedule.prologue)
+        self.ready = [s.id for s in self.schedule.stages if not s.deps]
+        self.stage_by_id = {s.id: s for s in self.schedule.stages}
+
+    def _run_copies(self, copies) -> None:
+        for c in copies:
+            if c.rank != self.rank or c.count == 0:
+                continue
+            src = self.buffers[c.src_buf][c.src_off : c.src_off + c.count]
+            dst = self.buffers[c.dst_buf][c.dst_off : c.dst_off + c.count]
+            if not np.shares_memory(src, dst) or src.ctypes.data != dst.ctypes.data:
+                dst[...] = src
+
+    def _start_ready_stages(self) -> bool:
+        started = False
+        while self.ready:
+            sid = self.ready.pop()
+            self._start_stage(self.stage_by_id[sid])
+            started = True
+        return started
+
+    def _start_stage(self, stage: Stage) -> None:
+        now = time.perf_counter()
+        mine_out = [f for f in stage.flows if f.src == self.rank]
+        mine_in = [f for f in stage.flows if f.dst == self.rank]
+        if not mine_out and not mine_in:
+            self._stage_complete(stage.id)
+            return
+        comm_id = self.engine.comm_id
+        plan = None
+        outs = []
+        if mine_out:
+            sized = [(f, f.count * self.itemsize) for f in mine_out]
+            plan = self.splitter.plan(sized, now)
+            self.window = plan.window_bytes
+            for f in mine_out:
+                view = self.buffers[f.src_buf][f.src_off : f.src_off + f.count]
+                ce = flow_chunk_elems(f.count, self.plan_chunk_elems, self.min_chunk_elems)
+                outs.append(OutFlow(f, view, ce, plan.splits[f.id], wire.make_tag(wire.KIND_COLL, comm_id, self.seq, f.id)))
+        ins = []
+        for f in mine_in:
+            view = self.buffers[f.dst_buf][f.dst_off : f.dst_off + f.count]
+            ce = flow_chunk_elems(f.count, self.plan_chunk_elems, self.min_chunk_elems)
+            ins.append(InFlow(f, view, ce, wire.make_tag(wire.KIND_COLL, comm_id, self.seq, f.id),
+                              self.engine.planes_to(f.src)))
+        self.active.append(StageRun(stage, outs, ins, plan, now))
+
+    def _stage_complete(self, sid: int) -> None:
+        self.stages_done += 1
+        for dep in self.dependents.get(sid, ()):
+            self.remaining_deps[dep] -= 1
+            if self.remaining_deps[dep] == 0:
+                self.ready.append(dep)
+
+    # -- progress -----------------------------------------------------------
+    def _advance(self) -> bool:
+        moved = self._start_ready_stages()
+        moved |= self._post_receives()
+        moved |= self._reap_receives()
+        moved |= self._reap_sends()
+        moved |= self._post_sends()
+        moved |= self._retire_stages()
+        if self.stages_done == len(self.schedule.stages) and not self.ready:
+            self._complete()
+            return True
+        return moved
+
+    def _post_receives(self) -> bool:
+        moved = False
+        for run in self.active:
+            for inflow in run.ins:
+                if inflow.done:
+                    continue
+                for plane in inflow.planes:
+                    while True:
+                        probe = plane.probe(inflow.tag_base, wire.MASK_STREAM)
+                        if probe is None:
+                            break
+                        self._accept_chunk(run, inflow, plane, probe)
+                        moved = True
+        return moved
+
+    def _accept_chunk(self, run: StageRun, inflow: InFlow, plane, probe) -> None:
+        index = wire.chunk_index(probe.sender_tag.value)
+        if index >= inflow.nchunks or inflow.seen[index]:
+            self.engine.discard(plane, probe)
+            raise ProtocolError(
+                f"chunk {index} of flow {inflow.flow.id} is {'a duplicate' if index < inflow.nchunks else 'out of range'}",
+                rank=self.rank, plane=plane.name, peer=inflow.peer, op=self.name, stage=run.stage.id,
+            )
+        offset, nelems = chunk_range(index, inflow.flow.count, inflow.chunk_elems)
+        nbytes = nelems * self.itemsize
+        if probe.length != nbytes:
+            self.engine.discard(plane, probe)
+            raise ProtocolError(
+                f"chunk {index} of flow {inflow.flow.id} has {probe.length} bytes, expected {nbytes} "
+                f"(do all ranks call {self.name} with the same count and dtype?)",
+                rank=self.rank, plane=plane.name, peer=inflow.peer, op=self.name, stage=run.stage.id,
+            )
+        inflow.seen[index] = 1
+        if inflow.reduce:
+            scratch = self.engine.scratch(nbytes)
+            target = scratch[:nbytes]
+        else:
+            scratch = None
+            target = inflow.view[offset : offset + nelems].view(np.uint8)
+        req = plane.recv_probed(target, probe)
+        self.in_chunks.append((req, inflow, index, scratch, run, plane, nbytes))
+
+    def _reap_receives(self) -> bool:
+        if not self.in_chunks:
+            return False
+        still, moved = [], False
+        for item in self.in_chunks:
+            req, inflow, index, scratch, run, plane, nbytes = item
+            if not req.completed:
+                still.append(item)
+                continue
+            moved = True
+            self._check(req, plane, inflow.peer, run)
+            if scratch is not None:
+                offset, nelems = chunk_range(index, inflow.flow.count, inflow.chunk_elems)
+                incoming = scratch[:nbytes].view(self.dtype)
+                reduce_into(inflow.view[offset : offset + nelems], incoming, self.op)
+                self.engine.release_scratch(scratch)
+            inflow.arrived += 1
+        self.in_chunks = still
+        return moved
+
+    def _reap_sends(self) -> bool:
+        if not self.out_chunks:
+            return False
+        still, moved = [], False
+        now = None
+        for item in self.out_chunks:
+            req, outflow, plane, nbytes, t_post, run = item
+            if not req.completed:
+                still.append(item)
+                continue
+            moved = True
+            self._check(req, plane, outflow.peer, run)
+            outflow.pending -= 1
+            self.inflight[plane.name] -= nbytes
+            if self.engine.controller is not None:
+                now = now or time.perf_counter()
+                self.engine.controller.on_chunk(plane.name, outflow.peer, nbytes, t_post, now)
+        self.out_chunks = still
+        return moved
+
+    def _post_sends(self) -> bool:
+        moved = False
+        for plane_name in (UP, OUT):
+            plane = self.engine.planes.get(plane_name)
+            if plane is None:
+                continue
+            limit = self.window.get(plane_name, 0)
+            for run in self.active:
+                for outflow in run.outs:
+                    while self.inflight[plane_name] < limit and outflow.cursor.wants(plane_name):
+                        index = outflow.cursor.next_chunk(plane_name)
+                        self._send_chunk(run, outflow, plane, index)
+                        moved = True
+        return moved
+
+    def _send_chunk(self, run: StageRun, outflow: OutFlow, plane, index: int) -> None:
+        offset, nelems = chunk_range(index, outflow.flow.count, outflow.chunk_elems)
+        nbytes = nelems * self.itemsize
+        view = outflow.view[offset : offset + nelems].view(np.uint8)
+        req = plane.send(outflow.peer, view, outflow.tag_base | index)
+        outflow.pending += 1
+        self.inflight[plane.name] += nbytes
+        self.bytes_per_plane[plane.name] += nbytes
+        run.bytes_by_plane[plane.name] += nbytes
+        self.out_chunks.append((req, outflow, plane, nbytes, time.perf_counter(), run))
+
+    def _retire_stages(self) -> bool:
+        moved = False
+        for run in list(self.active):
+            if not run.done:
+                continue
+            run.t_end = time.perf_counter()
+            self.active.remove(run)
+            self._log_stage(run)
+            if self.engine.controller is not None and run.plan is not None and "decision" in run.plan.reason:
+                self.engine.controller.on_stage(run.plan.reason["decision"], run.t_start, run.t_end, dict(run.bytes_by_plane))
+            self._stage_complete(run.stage.id)
+            moved = True
+        return moved
+
+    def _log_stage(self, run: StageRun) -> None:
+        reason = {} if run.plan is None else {k: v for k, v in run.plan.reason.items() if k != "decision"}
+        self.stage_log.append({
+            "stage": run.stage.id, "label": run.stage.label, "duration_s": run.t_end - run.t_start,
+            "bytes_per_plane": dict(run.bytes_by_plane), "split": reason,
+        })
+
+    def _check(self, req, plane, peer, run) -> None:
+        try:
+            req.check_error()
+        except Exception as exc:
+            raise TransportError(
+                f"{type(exc).__name__}: {exc}", rank=self.rank, plane=plane.name, peer=peer,
+                op=self.name, stage=run.stage.id,
+            ) from exc
+
+    def _complete(self) -> None:
+        self._run_copies(self.schedule.epilogue)
+        if self.finalize is not None:
+            self.finalize()
+        self._finish()
+
+    def describe_stall(self) -> dict:
+        waiting_in = [(i.peer, i.flow.id, f"{i.arrived}/{i.nchunks}") for r in self.active for i in r.ins if not i.done]
+        waiting_out = [(o.peer, o.flow.id) for r in self.active for o in r.outs if not o.done]
+        planes = sorted({p.name for _, _, _, _, _, p, _ in self.in_chunks} | {p.name for _, _, p, _, _, _ in self.out_chunks})
+        return {
+            "stage": [r.stage.id for r in self.active],
+            "peer": sorted({p for p, _, _ in waiting_in} | {p for p, _ in waiting_out}),
+            "plane": planes or "none posted",
+            "waiting_for": waiting_in,
+        }
+
+    def stats(self) -> dict:
+        out = super().stats()
+        out.update(
+            algorithm=self.schedule.algorithm, channels=self.schedule.channels,
+            policy=_policy_name(self.splitter.policy), stages=self.stage_log,
+        )
+        return out
+
+
+# ---------------------------------------------------------------------------
+# point-to-point
+# ---------------------------------------------------------------------------
+class SendOp(Operation):
+    """Header -> wait for the receiver's accept -> chunks on both planes."""
+
+    name = "send"
+
+    def __init__(self, engine, seq, buf: np.ndarray, dst: int, splitter: Splitter, chunk_bytes: int):
+        super().__init__(engine, seq)
+        self.buf = buf
+        self.dst = dst
+        self.splitter = splitter
+        self.chunk_bytes = chunk_bytes
+        self.ctrl = engine.control_plane(dst)
+        header = np.array([buf.nbytes], dtype=np.uint64)
+        self._header = header
+        me = engine.rank
+        self._header_req = self.ctrl.send(dst, header.view(np.uint8), wire.make_tag(wire.KIND_CTRL, engine.comm_id, seq, me, wire.CTRL_P2P_HEADER))
+        self._reply = np.zeros(2, dtype=np.uint64)
+        self._reply_req = self.ctrl.recv(
+            self._reply.view(np.uint8), wire.make_tag(wire.KIND_CTRL, engine.comm_id, seq, dst, wire.CTRL_P2P_REPLY)
+        )
+        self.outflow: Optional[OutFlow] = None
+        self.pending: list = []
+        self.inflight = {UP: 0, OUT: 0}
+        self.window = dict(splitter.window_bytes)
+
+    def _advance(self) -> bool:
+        if self.outflow is None:
+            if not (self._reply_req.completed and self._header_req.completed):
+                return False
+            self._check_ctrl(self._header_req)
+            self._check_ctrl(self._reply_req)
+            if int(self._reply[0]) != 1:
+                from .errors import MismatchError
+
+                raise MismatchError(
+                    f"rank {self.engine.rank}: send of {self.buf.nbytes} bytes to rank {self.dst} refused: "
+                    f"the receiver posted {int(self._reply[1])} bytes"
+                )
+            flow = Flow(id=0, src=self.engine.rank, dst=self.dst, src_buf="in", src_off=0, dst_buf="out", dst_off=0, count=self.buf.nbytes)
+            plan = self.splitter.plan([(flow, self.buf.nbytes)], time.perf_counter())
+            self.window = plan.window_bytes
+            ce = flow_chunk_elems(self.buf.nbytes, self.chunk_bytes, MIN_CHUNK_BYTES)
+            tag = wire.make_tag(wire.KIND_P2P, self.engine.comm_id, self.seq, self.engine.rank)
+            self.outflow = OutFlow(flow, self.buf, ce, plan.splits[0], tag)
+            return True
+        moved = self._reap()
+        moved |= self._post()
+        if self.outflow.done:
+            self._finish()
+            return True
+        return moved
+
+    def _post(self) -> bool:
+        moved = False
+        of = self.outflow
+        for name, plane in self.engine.planes.items():
+            if not plane.reaches(self.dst):
+                continue
+            while self.inflight[name] < self.window.get(name, 0) and of.cursor.wants(name):
+                index = of.cursor.next_chunk(name)
+                offset, n = chunk_range(index, of.flow.count, of.chunk_elems)
+                req = plane.send(self.dst, self.buf[offset : offset + n], of.tag_base | index)
+                of.pending += 1
+                self.inflight[name] += n
+                self.bytes_per_plane[name] += n
+                self.pending.append((req, plane, n))
+                moved = True
+        return moved
+
+    def _reap(self) -> bool:
+        still, moved = [], False
+        for req, plane, n in self.pending:
+            if not req.completed:
+                still.append((req, plane, n))
+                continue
+            try:
+                req.check_error()
+            except Exception as exc:
+                raise TransportError(str(exc), rank=self.engine.rank, plane=plane.name, peer=self.dst, op="send") from exc
+            self.outflow.pending -= 1
+            self.inflight[plane.name] -= n
+            moved = True
+        self.pending = still
+        return moved
+
+    def _check_ctrl(self, req) -> None:
+        try:
+            req.check_error()
+        except Exception as exc:
+            raise TransportError(str(exc), rank=self.engine.rank, plane=self.ctrl.name, peer=self.dst, op="send") from exc
+
+    def describe_stall(self) -> dict:
+        state = "waiting for the receiver to post" if self.outflow is None else "sending"
+        return {"peer": self.dst, "plane": self.ctrl.name, "state": state}
+
+
+class RecvOp(Operation):
+    name = "recv"
+
+    def __init__(self, engine, seq, buf: np.ndarray, src: int, chunk_bytes: int):
+        super().__init__(engine, seq)
+        self.buf = buf
+        self.src = src
+        self.chunk_bytes = chunk_bytes
+        self.ctrl = engine.control_plane(src)
+        self._header = np.zeros(1, dtype=np.uint64)
+        cid, me = engine.comm_id, engine.rank
+        self._header_req = self.ctrl.recv(self._header.view(np.uint8), wire.make_tag(wire.KIND_CTRL, cid, seq, src, wire.CTRL_P2P_HEADER))
+        self._reply = np.zeros(2, dtype=np.uint64)
+        self._reply_req = None
+        self._reply_tag = wire.make_tag(wire.KIND_CTRL, cid, seq, me, wire.CTRL_P2P_REPLY)
+        self.inflow: Optional[InFlow] = None
+        self.pending: list = []
+
+    def _advance(self) -> bool:
+        if self.inflow is None:
+            if not self._header_req.completed:
+                return False
+            self._header_req.check_error()
+            sent = int(self._header[0])
+            ok = sent == self.buf.nbytes
+            self._reply[:] = (1 if ok else 0, self.buf.nbytes)
+            self._reply_req = self.ctrl.send(self.src, self._reply.view(np.uint8), self._reply_tag)
+            if not ok:
+                from .errors import MismatchError
+
+                self._drain_reply()
+                raise MismatchError(
+                    f"rank {self.engine.rank}: receive of {self.buf.nbytes} bytes from rank {self.src} "
+                    f"does not match the {sent} bytes sent; nothing was written"
+                )
+            flow = Flow(id=0, src=self.src, dst=self.engine.rank, src_buf="in", src_off=0, dst_buf="out", dst_off=0, count=sent)
+            ce = flow_chunk_elems(sent, self.chunk_bytes, MIN_CHUNK_BYTES)
+            tag = wire.make_tag(wire.KIND_P2P, self.engine.comm_id, self.seq, self.src)
+            self.inflow = InFlow(flow, self.buf, ce, tag, self.engine.planes_to(self.src))
+            return True
+        moved = False
+        for plane in self.inflow.planes:
+            while True:
+                probe = plane.probe(self.inflow.tag_base, wire.MASK_STREAM)
+                if probe is None:
+                    break
+                index = wire.chunk_index(probe.sender_tag.value)
+                inflow = self.inflow
+                offset, n = chunk_range(index, inflow.flow.count, inflow.chunk_elems) if index < inflow.nchunks else (0, -1)
+                if index >= inflow.nchunks or inflow.seen[index] or probe.length != n:
+                    self.engine.discard(plane, probe)
+                    raise ProtocolError(f"invalid chunk {index} ({probe.length} bytes)", rank=self.engine.rank,
+                                        plane=plane.name, peer=self.src, op="recv")
+                inflow.seen[index] = 1
+                self.pending.append((plane.recv_probed(self.buf[offset : offset + n], probe), plane, n))
+                moved = True
+        still = []
+        for req, plane, n in self.pending:
+            if not req.completed:
+                still.append((req, plane, n))
+                continue
+            try:
+                req.check_error()
+            except Exception as exc:
+                raise TransportError(str(exc), rank=self.engine.rank, plane=plane.name, peer=self.src, op="recv") from exc
+            self.inflow.arrived += 1
+            self.bytes_per_plane[plane.name] += n
+            moved = True
+        self.pending = still
+        if self.inflow.done and (self._reply_req is None or self._reply_req.completed):
+            self._finish()
+            return True
+        return moved
+
+    def _drain_reply(self) -> None:
+        deadline = time.perf_counter() + 5
+        while not self._reply_req.completed and time.perf_counter() < deadline:
+            self.engine.progress_planes()
+
+    def describe_stall(self) -> dict:
+        state = "waiting for the sender's header" if self.inflow is None else f"{self.inflow.arrived}/{self.inflow.nchunks} chunks"
+        return {"peer": self.src, "plane": [p.name for p in self.engine.planes_to(self.src)], "state": state}
+
+
+# ---------------------------------------------------------------------------
+# the engine
+# ---------------------------------------------------------------------------
+class Engine:
+    def __init__(self, rank: int, comm_id: int, planes: dict, controller=None):
+        self.rank = rank
+        self.comm_id = comm_id
+        self.planes = planes  # name -> Plane (only the enabled ones)
+        self.controller = controller
+        self.active: list[Operation] = []
+        self._scratch: dict[int, list[np.ndarray]] = {}
+        self._trash = np.empty(1 << 20, dtype=np.uint8)
+
+    def planes_to(self, peer: int) -> list:
+        return [p for p in self.planes.values() if p.reaches(peer)]
+
+    def control_plane(self, peer: int):
+        """Small control messages take the lowest-latency plane reaching the peer."""
+        for name in (UP, OUT):
+            plane = self.planes.get(name)
+            if plane is not None and plane.reaches(peer):
+                return plane
+        raise TransportError("no plane reaches this peer", rank=self.rank, peer=peer)
+
+    def scratch(self, nbytes: int) -> np.ndarray:
+        size = 1 << max(12, (nbytes - 1).bit_length())
+        pool = self._scratch.setdefault(size, [])
+        return pool.pop() if pool else np.empty(size, dtype=np.uint8)
+
+    def release_scratch(self, buf: np.ndarray) -> None:
+        self._scratch.setdefault(buf.nbytes, []).append(buf)
+
+    def discard(self, plane, probe) -> None:
+        """Receive a rejected message into a trash buffer so its sender completes."""
+        n = int(probe.length)
+        if n > self._trash.nbytes:
+            self._trash = np.empty(n, dtype=np.uint8)
+        req = plane.recv_probed(self._trash[:n], probe)
+        deadline = time.perf_counter() + 5
+        while not req.completed and time.perf_counter() < deadline:
+            plane.progress()
+
+    def submit(self, op: Operation) -> Operation:
+        self.active.append(op)
+        op.advance()
+        if op.finished:
+            self.active.remove(op)
+        return op
+
+    def progress_planes(self) -> None:
+        for plane in self.planes.values():
+            plane.progress()
+
+    def progress(self) -> bool:
+        self.progress_planes()
+        moved = False
+        for op in list(self.active):
+            moved |= op.advance()
+            if op.finished:
+                self.active.remove(op)
+        return moved
+
+    def wait(self, op: Operation, timeout_s: float) -> None:
+        """Drive progress until op finishes; raise its error or a no-progress timeout."""
+        while not op.finished:
+            self.progress()
+            if op.finished:
+                break
+            now = time.perf_counter()
+            if op.stalled_for(now) > timeout_s:
+                stall = op.describe_stall()
+                err = OperationTimeout(
+                    f"{op.name} #{op.seq} made no progress for {timeout_s:g} s; waiting on {stall}",
+                    rank=self.rank, plane=stall.get("plane"), peer=stall.get("peer"), op=op.name,
+                    stage=stall.get("stage"),
+                )
+                op._fail(err)
+                if op in self.active:
+                    self.active.remove(op)
+                break
+        if op.error is not None:
+            raise op.error

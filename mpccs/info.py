@@ -1,0 +1,68 @@
+"""``mpccs-info``: version, planes, the UCX transports each plane opened, domains.
+
+Run it alone for this process's view, or under a launcher
+(``mpccs-run -n 2 mpccs-info``) to see which peers each plane reaches.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def collect(comm) -> dict:
+    from . import __version__
+    from .transports.ucx import ucx_version, ucxx_version
+
+    return {
+        "mpccs": __version__,
+        "ucxx": ucxx_version(),
+        "ucx": ucx_version(),
+        "rank": comm.rank,
+        "size": comm.size,
+        "local_rank": comm.local_rank,
+        "domain": comm.domain,
+        "domains": comm.domains,
+        "path_policy": str(comm.path_policy),
+        "planes": {
+            name: {
+                "tls": plane.tls,
+                "devices": plane.devices or "all",
+                "active": plane.resources(),
+                "reaches": plane.peers,
+                "peer_failure_detection": plane.error_handling,
+            }
+            for name, plane in comm._planes.items()
+        },
+    }
+
+
+def render(info: dict) -> str:
+    lines = [
+        f"# mpccs {info['mpccs']}  (ucxx {info['ucxx']}, UCX {info['ucx']})",
+        f"# rank {info['rank']} of {info['size']}, local rank {info['local_rank']}, domain {info['domain']!r}",
+        f"# path policy: {info['path_policy']}",
+    ]
+    for name, p in info["planes"].items():
+        lines.append(
+            f"# plane {name:<3}  UCX_TLS={p['tls']}  NET_DEVICES={p['devices']}  "
+            f"active={','.join(p['active']) or '-'}  reaches={p['reaches']}  "
+            f"peer-failure-detection={'yes' if p['peer_failure_detection'] else 'no (watchdog only)'}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="mpccs-info", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    ns = parser.parse_args(argv)
+    import mpccs
+
+    with mpccs.init() as comm:
+        info = collect(comm)
+        print(json.dumps(info, indent=2) if ns.json else render(info))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

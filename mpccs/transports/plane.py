@@ -1,0 +1,109 @@
+"""A Plane: one UCX context + worker with its own transport list.
+
+Two planes live side by side in each process (``up``: scale-up, ``out``:
+scale-out). Each owns the endpoints to the peers it reaches and offers
+non-blocking tag send / receive / probe / progress returning UCX requests.
+Nothing here knows about collectives; the engine drives the planes.
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import numpy as np
+
+from ..errors import TransportError
+from .ucx import Array, ucx_api
+
+# Shared-memory transports cannot report a dead peer ("no peer failure
+# handler") and refuse endpoints that ask for error handling.
+_SHM_ONLY = {"posix", "sysv", "cma", "mm", "sm", "shm", "knem", "xpmem", "self", "cuda_ipc", "cuda_copy"}
+
+
+class Plane:
+    def __init__(self, name: str, tls: str, devices: Optional[str] = None, rank: int = -1):
+        self.name = name
+        self.tls = tls
+        self.devices = devices
+        self.rank = rank
+        config = {"TLS": tls}
+        if devices:
+            config["NET_DEVICES"] = devices
+        try:
+            self._context = ucx_api.UCXContext(config, feature_flags=(ucx_api.Feature.TAG,))
+            self._worker = ucx_api.UCXWorker(self._context)
+        except Exception as exc:  # UCX raises its own types; name the plane
+            raise TransportError(
+                f"cannot open plane {name!r} with UCX_TLS={tls!r} NET_DEVICES={devices!r}: {exc}",
+                rank=rank, plane=name,
+            ) from exc
+        self._endpoints: dict[int, object] = {}
+        tl_names = {t.lstrip("^").split(":")[0] for t in tls.split(",")}
+        self.error_handling = not tl_names <= _SHM_ONLY
+        self.closed = False
+
+    # -- wiring ---------------------------------------------------------
+    @property
+    def address(self) -> bytes:
+        return bytes(self._worker.address)
+
+    def connect(self, peer: int, address: bytes) -> None:
+        addr = ucx_api.UCXAddress.create_from_buffer(address)
+        try:
+            self._endpoints[peer] = ucx_api.UCXEndpoint.create_from_worker_address(
+                self._worker, addr, endpoint_error_handling=self.error_handling
+            )
+        except Exception as exc:
+            raise TransportError(f"cannot connect: {exc}", rank=self.rank, plane=self.name, peer=peer) from exc
+
+    def reaches(self, peer: int) -> bool:
+        return peer in self._endpoints
+
+    @property
+    def peers(self) -> list[int]:
+        return sorted(self._endpoints)
+
+    # -- data path --------------------------------------------------------
+    def send(self, peer: int, view: np.ndarray, tag: int):
+        try:
+            ep = self._endpoints[peer]
+        except KeyError:
+            raise TransportError("plane does not reach this peer", rank=self.rank, plane=self.name, peer=peer) from None
+        return ep.tag_send(Array(view), ucx_api.UCXXTag(tag))
+
+    def probe(self, tag: int, mask: int):
+        """A matched probe result (message removed from the queue) or None."""
+        result = self._worker.tag_probe(ucx_api.UCXXTag(tag), ucx_api.UCXXTagMask(mask), remove=True)
+        return result if result.matched else None
+
+    def recv_probed(self, view: np.ndarray, probe):
+        return self._worker.tag_recv_with_handle(Array(view), probe)
+
+    def recv(self, view: np.ndarray, tag: int, mask: int = (1 << 64) - 1):
+        return self._worker.tag_recv(Array(view), ucx_api.UCXXTag(tag), ucx_api.UCXXTagMask(mask))
+
+    def progress(self) -> None:
+        self._worker.progress()
+
+    def cancel_all(self) -> None:
+        """Cancel every request still posted on this plane (failure path)."""
+        try:
+            self._worker.cancel_inflight_requests()
+        except Exception:  # a failed plane may refuse; nothing more to reclaim
+            pass
+
+    # -- introspection ----------------------------------------------------
+    def resources(self) -> list[str]:
+        """Transport/device pairs UCX opened for this plane, e.g. ['tcp/lo']."""
+        return re.findall(r"resource \d+\s*:.*?flags \S+\s+(\S+)", self._context.info)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for ep in self._endpoints.values():
+            try:
+                ep.close()
+            except Exception:
+                pass
+        self._endpoints.clear()

@@ -1,0 +1,43 @@
+"""The wire format: what a UCX tag carries.
+
+Every chunk identifies itself in its 64-bit tag, so a receiver can accept it
+from either plane and place it by its offset:
+
+    bits 62-63  kind     0 collective data, 1 point-to-point data, 2 control
+    bits 54-61  comm     communicator id (8 bits)
+    bits 40-53  seq      operation sequence number, modulo 2**14
+    bits 20-39  mid      collective: flow id; p2p and control: source rank
+    bits  0-19  low      data: chunk index; control: message type
+
+Probing with MASK_STREAM matches every chunk of one flow (or one p2p message)
+whatever its chunk index; the index is read back from the sender's tag.
+"""
+from __future__ import annotations
+
+KIND_COLL, KIND_P2P, KIND_CTRL = 0, 1, 2
+SEQ_BITS, MID_BITS, LOW_BITS = 14, 20, 20
+SEQ_MOD = 1 << SEQ_BITS
+MAX_CHUNKS = 1 << LOW_BITS
+MAX_FLOWS = 1 << MID_BITS
+MAX_RANKS = 1 << MID_BITS
+LOW_MASK = (1 << LOW_BITS) - 1
+FULL_MASK = (1 << 64) - 1
+MASK_STREAM = FULL_MASK ^ LOW_MASK
+
+# control message types (low field of a control tag)
+CTRL_P2P_HEADER = 1
+CTRL_P2P_REPLY = 2
+CTRL_FINGERPRINT = 3
+CTRL_BARRIER = 4
+
+
+def make_tag(kind: int, comm: int, seq: int, mid: int, low: int = 0) -> int:
+    return (kind << 62) | ((comm & 0xFF) << 54) | ((seq % SEQ_MOD) << 40) | ((mid & (MAX_FLOWS - 1)) << 20) | (low & LOW_MASK)
+
+
+def split_tag(tag: int) -> tuple[int, int, int, int, int]:
+    return (tag >> 62, (tag >> 54) & 0xFF, (tag >> 40) & (SEQ_MOD - 1), (tag >> 20) & (MAX_FLOWS - 1), tag & LOW_MASK)
+
+
+def chunk_index(tag: int) -> int:
+    return tag & LOW_MASK
