@@ -284,8 +284,7 @@ class Communicator:
         arrays.check_size(s.size, self.size * r.size, "send (size x recv)")
         arrays.check_op(op, s.dtype)
         sched = self._schedule("reduce_scatter", r.size, s.nbytes, algorithm=algorithm)
-        work = np.empty(sched.work_count, dtype=s.dtype)
-        return self._run("reduce_scatter", sched, {"in": s, "out": r, "work": work}, s.dtype, op, recv,
+        return self._run("reduce_scatter", sched, {"in": s, "out": r}, s.dtype, op, recv,
                          async_op, self._avg(op, r))
 
     def all_gather(self, send, recv, *, async_op: bool = False, algorithm=None):
@@ -343,10 +342,9 @@ class Communicator:
             arrays.check_size(r.size, s.size, "recv")
         arrays.check_op(op, s.dtype)
         sched = self._schedule("reduce", s.size, s.nbytes, root=root, algorithm=algorithm)
-        work = np.empty(sched.work_count, dtype=s.dtype)
         out = r if r is not None else np.empty(0, dtype=s.dtype)
         result = (send if recv is None else recv) if self.rank == root else None
-        return self._run("reduce", sched, {"in": s, "out": out, "work": work}, s.dtype, op, result, async_op,
+        return self._run("reduce", sched, {"in": s, "out": out}, s.dtype, op, result, async_op,
                          self._avg(op, r) if r is not None else None)
 
     def barrier(self) -> None:

@@ -233,7 +233,9 @@ class CollectiveOp(Operation):
         super().__init__(engine, seq)
         self.name = name
         self.schedule = schedule
-        self.buffers = buffers  # "in"/"out"/"work" -> typed 1-D arrays
+        self.buffers = buffers  # "in"/"out" -> typed 1-D arrays; "work" is allocated here
+        if schedule.work_count and "work" not in buffers:
+            self.buffers = {**buffers, "work": np.empty(schedule.work_count, dtype=dtype)}
         self.dtype = np.dtype(dtype)
         self.op = op
         self.splitter = splitter

@@ -1,0 +1,328 @@
+"""``mpccs-perf COLLECTIVE``: an nccl-tests-style benchmark.
+
+    mpccs-run -n 2 mpccs-perf all_reduce -b 8 -e 64M -f 4 --compare
+
+Flags follow nccl-tests (-b -e -f -n -w -c -o -d -r -J). Every point is timed
+per iteration (barrier, then the operation; per-op time = the slowest rank),
+and the median over -n iterations is reported. With --compare the policies
+(up, out, 0.8, adaptive) run interleaved iteration by iteration, so drift on a
+noisy machine hits them alike, and ratio columns compare each with 'up'.
+busbw uses nccl-tests' factors; see docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+import numpy as np
+
+from .config import parse_policy, parse_size
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce")
+DTYPE_ALIASES = {
+    "float": "float32", "half": "float16", "double": "float64", "bfloat16": "bfloat16",
+    "int": "int32", "int8": "int8", "uint8": "uint8", "int32": "int32", "uint32": "uint32",
+    "int64": "int64", "uint64": "uint64", "float16": "float16", "float32": "float32", "float64": "float64",
+}
+COMPARE_POLICIES = ("up", "out", 0.8, "adaptive")
+
+
+def dtype_of(name: str) -> np.dtype:
+    if name not in DTYPE_ALIASES:
+        raise SystemExit(f"mpccs-perf: unknown dtype {name!r}; valid: {', '.join(sorted(DTYPE_ALIASES))}")
+    if DTYPE_ALIASES[name] == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(DTYPE_ALIASES[name])
+
+
+def bus_factor(collective: str, n: int) -> float:
+    if n == 1:
+        return 0.0 if collective not in ("broadcast", "reduce") else 1.0
+    if collective == "all_reduce":
+        return 2 * (n - 1) / n
+    if collective in ("reduce_scatter", "all_gather", "all_to_all"):
+        return (n - 1) / n
+    return 1.0
+
+
+def sizes(begin: int, end: int, factor: float) -> list[int]:
+    out, s = [], begin
+    while s <= end:
+        out.append(s)
+        s = int(s * factor) if factor > 1 else s + max(1, int(factor))
+    return out
+
+
+class Case:
+    """Buffers and a runner for one collective at one size (count = elements per the nccl-tests size)."""
+
+    def __init__(self, comm, collective: str, nbytes: int, dtype: np.dtype, op: str, root: int, in_place: bool):
+        self.comm, self.collective, self.op, self.root, self.in_place = comm, collective, op, root, in_place
+        n, item = comm.size, dtype.itemsize
+        elements = nbytes // item
+        if collective in ("all_gather", "reduce_scatter"):
+            self.count = elements // n  # per-rank send (all_gather) or recv (reduce_scatter)
+        elif collective == "all_to_all":
+            self.count = (elements // n) * n  # whole send buffer, n equal blocks
+        else:
+            self.count = elements
+        self.nbytes = self._size_bytes(n, item)
+        rng = np.random.default_rng(1234 + comm.rank)
+        if dtype.kind in "iu":
+            make = lambda k: rng.integers(0, 8, k).astype(dtype)  # noqa: E731 - small values: sums stay exact
+        else:
+            make = lambda k: rng.integers(-4, 5, k).astype(np.float32).astype(dtype)  # noqa: E731
+        c = self.count
+        if collective == "all_reduce":
+            self.send, self.recv = make(c), np.empty(c, dtype)
+        elif collective == "reduce_scatter":
+            self.send, self.recv = make(c * n), np.empty(c, dtype)
+        elif collective == "all_gather":
+            self.send, self.recv = make(c), np.empty(c * n, dtype)
+        elif collective == "all_to_all":
+            self.send, self.recv = make(c), np.empty(c, dtype)
+        elif collective == "broadcast":
+            self.send = make(c)
+            self.recv = self.send.copy()
+        else:  # reduce
+            self.send, self.recv = make(c), np.empty(c, dtype)
+        self.original = self.send.copy()
+
+    def _size_bytes(self, n: int, item: int) -> int:
+        if self.collective in ("all_gather", "reduce_scatter"):
+            return self.count * n * item
+        return self.count * item
+
+    def run(self):
+        comm, c = self.comm, self.collective
+        if c == "all_reduce":
+            if self.in_place:
+                self.recv[...] = self.original
+                return comm.all_reduce(self.recv, op=self.op)
+            return comm.all_reduce(self.send, self.recv, op=self.op)
+        if c == "reduce_scatter":
+            return comm.reduce_scatter(self.send, self.recv, op=self.op)
+        if c == "all_gather":
+            return comm.all_gather(self.send, self.recv)
+        if c == "all_to_all":
+            return comm.all_to_all(self.send, self.recv)
+        if c == "broadcast":
+            self.recv[...] = self.original
+            return comm.broadcast(self.recv, root=self.root)
+        return comm.reduce(self.send, self.recv, op=self.op, root=self.root)
+
+    def wrong(self) -> int:
+        """Elements that differ from a reference computed from every rank's (reproducible) input."""
+        comm, n, dtype = self.comm, self.comm.size, self.send.dtype
+        inputs = [_input_of(r, self) for r in range(n)]
+        c = self.collective
+        if c in ("all_reduce", "reduce_scatter", "reduce"):
+            expected = _reduce(inputs, self.op, dtype)
+            if c == "reduce_scatter":
+                expected = expected.reshape(n, -1)[comm.rank]
+            if c == "reduce" and comm.rank != self.root:
+                return 0
+            got = self.recv
+        elif c == "all_gather":
+            expected, got = np.concatenate(inputs), self.recv
+        elif c == "all_to_all":
+            expected = np.concatenate([x.reshape(n, -1)[comm.rank] for x in inputs]) if self.count else inputs[0]
+            got = self.recv
+        else:
+            expected, got = inputs[self.root], self.recv
+        return int(np.count_nonzero(~_close(got, expected)))
+
+
+def _input_of(rank: int, case: Case) -> np.ndarray:
+    rng = np.random.default_rng(1234 + rank)
+    k, dtype = case.original.size, case.original.dtype
+    if dtype.kind in "iu":
+        return rng.integers(0, 8, k).astype(dtype)
+    return rng.integers(-4, 5, k).astype(np.float32).astype(dtype)
+
+
+def _reduce(inputs, op, dtype):
+    wide = [x.astype(np.float64) if dtype.kind == "f" or "bfloat16" in str(dtype) else x for x in inputs]
+    fn = {"sum": np.add, "avg": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}[op]
+    out = wide[0].copy()
+    for x in wide[1:]:
+        fn(out, x, out=out)
+    if op == "avg":
+        out = out / len(inputs)
+    return out.astype(dtype)
+
+
+def _close(got, expected):
+    if got.dtype.kind in "iu":
+        return got == expected
+    return np.isclose(got.astype(np.float64), expected.astype(np.float64), rtol=1e-2, atol=1e-2)
+
+
+def timed(comm, case: Case, policy) -> tuple[float, dict]:
+    comm.set_path_policy(policy)
+    comm.barrier()
+    t0 = time.perf_counter()
+    case.run()
+    dt = time.perf_counter() - t0
+    return dt, comm.last_stats() or {}
+
+
+def slowest(comm, values: list[float]) -> np.ndarray:
+    """Per-iteration maximum across ranks."""
+    arr = np.asarray(values, dtype=np.float64)
+    if comm.size > 1 and arr.size:
+        comm.all_reduce(arr, op="max")
+    return arr
+
+
+def measure(comm, case: Case, policies, iters: int, warmup: int):
+    times = {p: [] for p in policies}
+    shares = {p: [] for p in policies}
+    last = {}
+    for _ in range(warmup):
+        for p in policies:
+            timed(comm, case, p)
+    for _ in range(iters):
+        for p in policies:
+            dt, stats = timed(comm, case, p)
+            times[p].append(dt)
+            bpp = stats.get("bytes_per_plane", {})
+            total = sum(bpp.values())
+            shares[p].append(bpp.get("up", 0) / total if total else float("nan"))
+            last[p] = stats
+    return {p: slowest(comm, times[p]) for p in policies}, shares, last
+
+
+def policy_label(p) -> str:
+    return f"{p:g}" if isinstance(p, float) else p
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="mpccs-perf", description=__doc__.split("\n\n")[0])
+    ap.add_argument("collective", choices=COLLECTIVES)
+    ap.add_argument("-b", "--minbytes", default="8")
+    ap.add_argument("-e", "--maxbytes", default="64M")
+    ap.add_argument("-f", "--stepfactor", type=float, default=2.0)
+    ap.add_argument("-n", "--iters", type=int, default=20)
+    ap.add_argument("-w", "--warmup_iters", type=int, default=5)
+    ap.add_argument("-c", "--check", type=int, default=1)
+    ap.add_argument("-o", "--op", default="sum")
+    ap.add_argument("-d", "--datatype", default="float")
+    ap.add_argument("-r", "--root", type=int, default=0)
+    ap.add_argument("-J", "--json", default=None, help="write results as JSON to this file")
+    ap.add_argument("--path", default="adaptive", help="adaptive | up | out | fraction on up")
+    ap.add_argument("--compare", action="store_true", help="up, out, 0.8 and adaptive interleaved")
+    ap.add_argument("--in-place", action="store_true", help="in-place variant (all_reduce)")
+    ap.add_argument("--quiet", action="store_true", help="no progress lines")
+    ns = ap.parse_args(argv)
+
+    import mpccs
+
+    comm = mpccs.init()
+    dtype = dtype_of(ns.datatype)
+    policies = COMPARE_POLICIES if ns.compare else (parse_policy(ns.path),)
+    rows = []
+    size_list = sizes(parse_size(ns.minbytes), parse_size(ns.maxbytes), ns.stepfactor)
+    if comm.rank == 0:
+        print(header(comm, ns, policies), flush=True)
+    for index, nbytes in enumerate(size_list):
+        case = Case(comm, ns.collective, nbytes, dtype, ns.op, ns.root, ns.in_place)
+        times, shares, last = measure(comm, case, policies, ns.iters, ns.warmup_iters)
+        wrong = case.wrong() if ns.check else 0
+        wrong_total = np.array([wrong], dtype=np.int64)
+        if comm.size > 1:
+            comm.all_reduce(wrong_total)
+        for p in policies:
+            row = make_row(comm, case, ns, p, times[p], shares[p], last.get(p, {}), int(wrong_total[0]))
+            rows.append(row)
+        if comm.rank == 0:
+            print_rows(rows[-len(policies):], policies, rows, ns.compare)
+            if not ns.quiet and len(size_list) > 4:
+                print(f"# progress: {index + 1}/{len(size_list)} sizes", file=sys.stderr, flush=True)
+    if comm.rank == 0:
+        footer(rows, policies)
+        if ns.json:
+            with open(ns.json, "w") as fh:
+                json.dump({"meta": environment(comm, ns), "rows": rows}, fh, indent=1, default=str)
+    wrong_any = any(r["wrong"] for r in rows)
+    comm.close()
+    return 1 if wrong_any else 0
+
+
+def make_row(comm, case, ns, policy, times, shares, stats, wrong) -> dict:
+    t = float(np.median(times)) if len(times) else 0.0
+    algbw = case.nbytes / t / 1e9 if t > 0 else 0.0
+    return {
+        "collective": ns.collective, "size": case.nbytes, "count": case.count, "type": ns.datatype,
+        "redop": ns.op if ns.collective in ("all_reduce", "reduce_scatter", "reduce") else "none",
+        "root": ns.root if ns.collective in ("broadcast", "reduce") else -1,
+        "policy": policy_label(policy), "time_us": t * 1e6,
+        "time_us_p10": float(np.percentile(times, 10)) * 1e6 if len(times) else 0.0,
+        "time_us_p90": float(np.percentile(times, 90)) * 1e6 if len(times) else 0.0,
+        "algbw": algbw, "busbw": algbw * bus_factor(ns.collective, comm.size), "wrong": wrong,
+        "up_share": float(np.nanmedian(shares)) if shares and not np.all(np.isnan(shares)) else None,
+        "algorithm": stats.get("algorithm"), "times_us": [x * 1e6 for x in times],
+        "split": [s.get("split") for s in stats.get("stages", [])][:4],
+        "nranks": comm.size,
+    }
+
+
+def header(comm, ns, policies) -> str:
+    from . import __version__
+    from .transports.ucx import ucx_version
+
+    planes = ", ".join(f"{name}={plane.tls}@{plane.devices or 'all'}" for name, plane in comm._planes.items())
+    cols = "#       size      count      type   redop    root   policy  algorithm      time     algbw     busbw  #wrong   up%"
+    if ns.compare:
+        cols += "  x_up"
+    return "\n".join([
+        f"# mpccs-perf {ns.collective}  mpccs {__version__}  UCX {ucx_version()}  nranks {comm.size}",
+        f"# planes: {planes}",
+        f"# iters {ns.iters} warmup {ns.warmup_iters}; time = median over iterations of the slowest rank (us); GB/s = 1e9 B/s",
+        f"# policies: {', '.join(policy_label(p) for p in policies)}",
+        "#",
+        cols,
+        "#                                                                         (us)    (GB/s)    (GB/s)",
+    ])
+
+
+def print_rows(new_rows, policies, all_rows, compare: bool) -> None:
+    base = next((r for r in new_rows if r["policy"] == "up"), None)
+    for r in new_rows:
+        share = "   -" if r["up_share"] is None else f"{100 * r['up_share']:5.1f}"
+        line = (f"{r['size']:12d} {r['count']:10d} {r['type']:>9s} {r['redop']:>7s} {r['root']:7d} "
+                f"{r['policy']:>8s}  {str(r['algorithm']):<10s} {r['time_us']:9.1f} {r['algbw']:9.3f} "
+                f"{r['busbw']:9.3f} {r['wrong']:7d} {share}")
+        if compare and base is not None and r["time_us"] > 0:
+            line += f"  {base['time_us'] / r['time_us']:5.2f}"
+        print(line, flush=True)
+
+
+def footer(rows, policies) -> None:
+    print("# Out of bounds values : 0 OK" if not any(r["wrong"] for r in rows) else
+          f"# Out of bounds values : {sum(r['wrong'] for r in rows)} FAILED")
+    for p in policies:
+        label = policy_label(p)
+        bw = [r["busbw"] for r in rows if r["policy"] == label]
+        print(f"# Avg bus bandwidth ({label}) : {np.mean(bw) if bw else 0:.4f}")
+
+
+def environment(comm, ns) -> dict:
+    from . import __version__
+    from .transports.ucx import ucx_version, ucxx_version
+
+    return {
+        "mpccs": __version__, "ucxx": ucxx_version(), "ucx": ucx_version(), "numpy": np.__version__,
+        "python": platform.python_version(), "kernel": platform.release(), "cpu": platform.processor() or platform.machine(),
+        "nranks": comm.size, "args": vars(ns), "planes": {n: {"tls": p.tls, "devices": p.devices} for n, p in comm._planes.items()},
+        "domains": comm.domains, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""Rendezvous, the store, the launchers (mpccs-run, mpiexec) and configuration."""
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from mpccs.bootstrap import rendezvous
+from mpccs.config import load_options
+from mpccs.errors import ConfigError, RendezvousError
+from mpccs.store import MAGIC, StoreClient, StoreServer
+from rankpool import free_port
+
+BIN = os.path.dirname(sys.executable)
+SCRIPT = textwrap.dedent(
+    """
+    import numpy as np, mpccs
+    comm = mpccs.init()
+    peer = (comm.rank + 1) % comm.size
+    src = (comm.rank - 1) % comm.size
+    w = comm.isend(np.full(1000, comm.rank, np.int32), peer)
+    got = np.zeros(1000, np.int32)
+    comm.recv(got, src)
+    w.wait()
+    assert (got == src).all()
+    print(f"OK rank={comm.rank} size={comm.size} local={comm.local_rank}", flush=True)
+    comm.close()
+    """
+)
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "ring.py"
+    path.write_text(SCRIPT)
+    return str(path)
+
+
+def clean_env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_", "PMI_", "OMPI_", "SLURM_", "MPCCS_"))}
+    env.update(extra)
+    return env
+
+
+def test_mpccs_run_starts_ranks_and_prefixes_output(script):
+    out = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "3", script], env=clean_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for rank in range(3):
+        assert f"[rank {rank}] OK rank={rank} size=3 local={rank}" in out.stdout
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "mpiexec")), reason="pip mpich (the 'mpi' extra) is not installed")
+def test_mpiexec_from_pip_mpich(script):
+    out = subprocess.run([os.path.join(BIN, "mpiexec"), "-n", "2", sys.executable, script], env=clean_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "OK rank=0 size=2" in out.stdout and "OK rank=1 size=2" in out.stdout
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None or not os.path.exists("/usr/bin/orterun") and
+                    not os.path.exists("/usr/bin/prterun"), reason="Open MPI (Debian openmpi-bin) is not installed")
+def test_mpirun_from_open_mpi(script):
+    env = clean_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    out = subprocess.run(["mpirun", "--oversubscribe", "-n", "2", sys.executable, script], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "OK rank=1 size=2" in out.stdout
+
+
+def test_launcher_stops_all_ranks_when_one_fails(tmp_path):
+    prog = tmp_path / "fail.py"
+    prog.write_text("import os, sys, time\nif os.environ['RANK'] == '1': sys.exit(3)\ntime.sleep(120)\n")
+    start = time.monotonic()
+    out = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "3", "--grace", "1", str(prog)],
+                         env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3
+    assert time.monotonic() - start < 20
+    assert "rank 1 exited with code 3" in out.stderr
+
+
+def test_missing_variable_is_named():
+    with pytest.raises(RendezvousError, match="MASTER_ADDR"):
+        rendezvous({"RANK": "0", "WORLD_SIZE": "2"}, timeout_s=1)
+    with pytest.raises(RendezvousError, match="WORLD_SIZE"):
+        rendezvous({"RANK": "0"}, timeout_s=1)
+    with pytest.raises(RendezvousError, match="out of range"):
+        rendezvous({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, timeout_s=1)
+
+
+def test_rendezvous_timeout_names_missing_ranks():
+    env = {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "MPCCS_JOB_TOKEN": "t"}
+    boot = rendezvous(env, timeout_s=5)
+    try:
+        boot.store.set("info/0", b"x")
+        with pytest.raises(RendezvousError, match=r"rank\(s\) \[1, 2\] never published"):
+            boot.store.gather("info", 3, timeout_s=0.5)
+    finally:
+        boot.close()
+
+
+def test_singleton_without_any_launcher():
+    boot = rendezvous({}, timeout_s=1)
+    assert (boot.rank, boot.size, boot.store) == (0, 1, None)
+
+
+def test_wrong_job_token_is_refused():
+    server = StoreServer("127.0.0.1", 0, "right-token")
+    try:
+        good = StoreClient("127.0.0.1", server.port, "right-token", timeout_s=5)
+        good.set("k", b"v")
+        bad = StoreClient("127.0.0.1", server.port, "wrong-token", timeout_s=5)
+        with pytest.raises(RendezvousError, match="refused the job token"):
+            bad.get("k", timeout_s=1)
+        assert good.get("k") == b"v"
+    finally:
+        server.close()
+
+
+def raw_request(port, payload: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(payload)
+        sock.shutdown(socket.SHUT_WR)
+        data = b""
+        while True:
+            part = sock.recv(4096)
+            if not part:
+                return data
+            data += part
+
+
+def test_store_rejects_malformed_and_oversized_requests():
+    server = StoreServer("127.0.0.1", 0, "tok")
+    try:
+        assert raw_request(server.port, b"GET / HTTP/1.0\r\n\r\n")[:1] == b"\x03"
+        assert raw_request(server.port, MAGIC + struct.pack("!I", 1 << 30))[:1] == b"\x03"
+        assert raw_request(server.port, MAGIC + struct.pack("!I", 3) + b"\x09\x00\x00")[:1] == b"\x03"
+        client = StoreClient("127.0.0.1", server.port, "tok", timeout_s=5)
+        client.set("still", b"alive")
+        assert client.get("still") == b"alive"
+    finally:
+        server.close()
+
+
+def test_store_counter_and_bounded_wait():
+    server = StoreServer("127.0.0.1", 0, "")
+    try:
+        client = StoreClient("127.0.0.1", server.port, "", timeout_s=5)
+        assert [client.add("c") for _ in range(3)] == [1, 2, 3]
+        start = time.monotonic()
+        with pytest.raises(KeyError):
+            client.get("never", timeout_s=0.3)
+        assert time.monotonic() - start < 3
+    finally:
+        server.close()
+
+
+def test_configuration_is_validated():
+    with pytest.raises(ConfigError, match="unknown plane 'side'"):
+        load_options({"MPCCS_PLANES": "up,side"})
+    with pytest.raises(ConfigError, match="unknown UCX transport 'tcpx'"):
+        load_options({"MPCCS_OUT_TLS": "tcpx"})
+    with pytest.raises(ConfigError, match="unknown option"):
+        load_options({}, colour="blue")
+    with pytest.raises(ConfigError, match="path policy"):
+        load_options({"MPCCS_PATH": "sideways"})
+    opts = load_options({"MPCCS_OUT_TLS": "rc,ud", "MPCCS_UP_TLS": "cuda_ipc,cuda_copy", "MPCCS_CHUNK": "256K"})
+    assert (opts.out_tls, opts.up_tls, opts.chunk_bytes) == ("rc,ud", "cuda_ipc,cuda_copy", 256 << 10)
+    assert load_options({"MPCCS_MULTIPATH": "0"}).path_policy == "up"
+    assert load_options({}, path_policy="0.25").path_policy == 0.25
