@@ -10,12 +10,12 @@ from typing import Optional
 import numpy as np
 
 from . import arrays
-from . import algorithms
+from . import algorithms, fingerprint
 from .algorithms import Topology
 from .bootstrap import Bootstrap, hostname, rendezvous
 from .config import DEFAULT_UP_TLS_CPU, Options, load_options, parse_policy
 from .engine import CollectiveOp, Engine, Operation, RecvOp, SendOp, Splitter
-from .errors import CommunicatorAborted, ConfigError, MpccsError, TransportError
+from .errors import CommunicatorAborted, ConfigError, MismatchError, MpccsError, TransportError
 from .reduce import finish_avg
 from .telemetry import Telemetry
 from .transports.plane import Plane
@@ -202,6 +202,13 @@ class Communicator:
         except TransportError as exc:
             self._aborted = str(exc)
             raise
+        except MismatchError as exc:
+            # A point-to-point size mismatch is caught before any byte moves and
+            # leaves both ends consistent; a collective one leaves chunks of a
+            # half-run schedule behind, so the communicator cannot be trusted.
+            if isinstance(op, CollectiveOp):
+                self._aborted = str(exc)
+            raise
 
     def _next_seq(self) -> int:
         self._seq += 1
@@ -256,8 +263,12 @@ class Communicator:
 
     def _run(self, name, schedule, buffers, dtype, op, result, async_op, finalize=None):
         self._check_usable()
+        fp = None
+        if self.options.fingerprint:
+            count = None if name == "all_to_allv" else schedule.count
+            fp = fingerprint.make(name, op, dtype, schedule.algorithm, schedule.root, self.options.chunk_bytes, count)
         cop = CollectiveOp(self._engine, self._next_seq(), schedule, buffers, dtype, op, self._splitter(),
-                           self.options.chunk_bytes, name, finalize)
+                           self.options.chunk_bytes, name, finalize, fp)
         return self._submit(cop, result, async_op)
 
     def _avg(self, op, buf):

@@ -27,11 +27,13 @@ import numpy as np
 
 from . import wire
 from .algorithms.schedule import Flow, Schedule, Stage
-from .errors import OperationTimeout, ProtocolError, TransportError
+from .errors import MismatchError, MpccsError, OperationTimeout, ProtocolError, TransportError
 from .reduce import finish_avg, reduce_into
 from .windows import OUT, UP, FlowCursor, boundary_for, chunk_count, chunk_range, flow_chunk_elems
 
 MIN_CHUNK_BYTES = 64 << 10
+ABORT_REASON_MAX = 1024
+ABORT_POLL_AFTER_S = 0.005  # look for peers' aborts only once an operation stalls this long
 
 
 # ---------------------------------------------------------------------------
@@ -112,20 +114,36 @@ def _policy_name(policy) -> str:
 # ---------------------------------------------------------------------------
 # per-flow state
 # ---------------------------------------------------------------------------
+def cursor_for(split: FlowSplit, nchunks: int, nbytes: int, chunk_bytes: int, reach: tuple[bool, bool]) -> FlowCursor:
+    """Clamp a planned split to what the planes can do, so no chunk is ever stranded.
+
+    A plane that does not reach the peer gets nothing (whatever a policy or
+    controller said); the QoS cap binds 'out' only where 'up' can take the
+    rest, and the chunks it keeps from 'out' move to 'up'.
+    """
+    up_ok, out_ok = reach
+    if not up_ok:
+        return FlowCursor(nchunks, 0, False, None)
+    if not out_ok:
+        return FlowCursor(nchunks, nchunks, False, 0)
+    boundary = boundary_for(split.boundary_bytes, nbytes, nchunks)
+    cap = None if split.out_cap_bytes is None else min(nchunks, split.out_cap_bytes // chunk_bytes)
+    if cap is not None:
+        boundary = max(boundary, nchunks - cap)
+    return FlowCursor(nchunks, boundary, split.steal, cap)
+
+
 class OutFlow:
     __slots__ = ("flow", "view", "chunk_elems", "itemsize", "cursor", "tag_base", "peer", "pending")
 
-    def __init__(self, flow: Flow, view: np.ndarray, chunk_elems: int, split: FlowSplit, tag_base: int):
+    def __init__(self, flow: Flow, view: np.ndarray, chunk_elems: int, split: FlowSplit, tag_base: int,
+                 reach: tuple[bool, bool] = (True, True)):
         self.flow = flow
         self.view = view  # typed 1-D source range
         self.chunk_elems = chunk_elems
         self.itemsize = view.dtype.itemsize
         nchunks = chunk_count(flow.count, chunk_elems)
-        chunk_bytes = chunk_elems * self.itemsize
-        cap = None
-        if split.out_cap_bytes is not None:
-            cap = split.out_cap_bytes // chunk_bytes
-        self.cursor = FlowCursor(nchunks, boundary_for(split.boundary_bytes, flow.count * self.itemsize, nchunks), split.steal, cap)
+        self.cursor = cursor_for(split, nchunks, flow.count * self.itemsize, chunk_elems * self.itemsize, reach)
         self.tag_base = tag_base
         self.peer = flow.dst
         self.pending = 0  # chunks posted, not completed
@@ -229,9 +247,11 @@ class Operation:
 
 class CollectiveOp(Operation):
     def __init__(self, engine, seq, schedule: Schedule, buffers: dict, dtype, op: str,
-                 splitter: Splitter, chunk_bytes: int, name: str, finalize: Optional[Callable] = None):
+                 splitter: Splitter, chunk_bytes: int, name: str, finalize: Optional[Callable] = None,
+                 fingerprint=None):
         super().__init__(engine, seq)
         self.name = name
+        self.fingerprint = fingerprint  # mpccs.fingerprint.Fingerprint, or None (checks off)
         self.schedule = schedule
         self.buffers = buffers  # "in"/"out" -> typed 1-D arrays; "work" is allocated here
         if schedule.work_count and "work" not in buffers:
@@ -259,6 +279,16 @@ class CollectiveOp(Operation):
 
     # -- setup ------------------------------------------------------------
     def _prepare(self) -> None:
+        me = self.rank
+        self.peers_out = sorted({f.dst for f in self.schedule.flows() if f.src == me})
+        self.peers_in = sorted({f.src for f in self.schedule.flows() if f.dst == me})
+        # Fingerprints go both ways between every pair that exchanges data, so
+        # a rank that only sends (a broadcast root) still learns of a mismatch.
+        self.fp_peers = sorted(set(self.peers_in) | set(self.peers_out))
+        self.verified = set(self.fp_peers) if self.fingerprint is None else set()
+        self._fp_sends, self._fp_recvs = [], []
+        if self.fingerprint is not None:
+            self._exchange_fingerprints()
         for stage in self.schedule.stages:
             self.remaining_deps[stage.id] = len(stage.deps)
             for d in stage.deps:
@@ -266,6 +296,41 @@ class CollectiveOp(Operation):
         self._run_copies(self.schedule.prologue)
         self.ready = [s.id for s in self.schedule.stages if not s.deps]
         self.stage_by_id = {s.id: s for s in self.schedule.stages}
+
+    def _exchange_fingerprints(self) -> None:
+        """Send ours to, and expect theirs from, every peer this rank exchanges data with."""
+        engine, cid, me = self.engine, self.engine.comm_id, self.rank
+        self._fp_words = self.fingerprint.encode()
+        for peer in self.fp_peers:
+            tag = wire.make_tag(wire.KIND_CTRL, cid, self.seq, me, wire.CTRL_FINGERPRINT)
+            self._fp_sends.append(engine.control_plane(peer).send(peer, self._fp_words.view(np.uint8), tag))
+        self._fp_bufs = np.zeros((len(self.fp_peers), 2), dtype=np.uint64)
+        for row, peer in enumerate(self.fp_peers):
+            tag = wire.make_tag(wire.KIND_CTRL, cid, self.seq, peer, wire.CTRL_FINGERPRINT)
+            req = engine.control_plane(peer).recv(self._fp_bufs[row].view(np.uint8), tag)
+            self._fp_recvs.append((req, peer, row))
+
+    def _check_fingerprints(self) -> bool:
+        if not self._fp_recvs:
+            return False
+        still, before = [], len(self._fp_recvs)
+        for req, peer, row in self._fp_recvs:
+            if not req.completed:
+                still.append((req, peer, row))
+                continue
+            req.check_error()
+            from .fingerprint import Fingerprint
+
+            theirs = Fingerprint.decode(self._fp_bufs[row])
+            diffs = self.fingerprint.differences(theirs)
+            if diffs:
+                message = (f"rank {self.rank} called {self.fingerprint.describe()} as operation #{self.seq} but rank "
+                           f"{peer} called {theirs.describe()} ({'; '.join(diffs)})")
+                self.engine.broadcast_abort(self.fp_peers, self.seq, message)
+                raise MismatchError(message)
+            self.verified.add(peer)
+        self._fp_recvs = still
+        return len(still) < before
 
     def _run_copies(self, copies) -> None:
         for c in copies:
@@ -301,7 +366,8 @@ class CollectiveOp(Operation):
             for f in mine_out:
                 view = self.buffers[f.src_buf][f.src_off : f.src_off + f.count]
                 ce = flow_chunk_elems(f.count, self.plan_chunk_elems, self.min_chunk_elems)
-                outs.append(OutFlow(f, view, ce, plan.splits[f.id], wire.make_tag(wire.KIND_COLL, comm_id, self.seq, f.id)))
+                tag = wire.make_tag(wire.KIND_COLL, comm_id, self.seq, f.id)
+                outs.append(OutFlow(f, view, ce, plan.splits[f.id], tag, self.splitter.reach(f.dst)))
         ins = []
         for f in mine_in:
             view = self.buffers[f.dst_buf][f.dst_off : f.dst_off + f.count]
@@ -319,13 +385,14 @@ class CollectiveOp(Operation):
 
     # -- progress -----------------------------------------------------------
     def _advance(self) -> bool:
-        moved = self._start_ready_stages()
+        moved = self._check_fingerprints()
+        moved |= self._start_ready_stages()
         moved |= self._post_receives()
         moved |= self._reap_receives()
         moved |= self._reap_sends()
         moved |= self._post_sends()
         moved |= self._retire_stages()
-        if self.stages_done == len(self.schedule.stages) and not self.ready:
+        if self.stages_done == len(self.schedule.stages) and not self.ready and not self._fp_recvs:
             self._complete()
             return True
         return moved
@@ -334,7 +401,7 @@ class CollectiveOp(Operation):
         moved = False
         for run in self.active:
             for inflow in run.ins:
-                if inflow.done:
+                if inflow.done or inflow.peer not in self.verified:
                     continue
                 for plane in inflow.planes:
                     while True:
@@ -529,8 +596,6 @@ class SendOp(Operation):
             self._check_ctrl(self._header_req)
             self._check_ctrl(self._reply_req)
             if int(self._reply[0]) != 1:
-                from .errors import MismatchError
-
                 raise MismatchError(
                     f"rank {self.engine.rank}: send of {self.buf.nbytes} bytes to rank {self.dst} refused: "
                     f"the receiver posted {int(self._reply[1])} bytes"
@@ -540,7 +605,7 @@ class SendOp(Operation):
             self.window = plan.window_bytes
             ce = flow_chunk_elems(self.buf.nbytes, self.chunk_bytes, MIN_CHUNK_BYTES)
             tag = wire.make_tag(wire.KIND_P2P, self.engine.comm_id, self.seq, self.engine.rank)
-            self.outflow = OutFlow(flow, self.buf, ce, plan.splits[0], tag)
+            self.outflow = OutFlow(flow, self.buf, ce, plan.splits[0], tag, self.splitter.reach(self.dst))
             return True
         moved = self._reap()
         moved |= self._post()
@@ -621,8 +686,6 @@ class RecvOp(Operation):
             self._reply[:] = (1 if ok else 0, self.buf.nbytes)
             self._reply_req = self.ctrl.send(self.src, self._reply.view(np.uint8), self._reply_tag)
             if not ok:
-                from .errors import MismatchError
-
                 self._drain_reply()
                 raise MismatchError(
                     f"rank {self.engine.rank}: receive of {self.buf.nbytes} bytes from rank {self.src} "
@@ -689,6 +752,7 @@ class Engine:
         self.active: list[Operation] = []
         self._scratch: dict[int, list[np.ndarray]] = {}
         self._trash = np.empty(1 << 20, dtype=np.uint8)
+        self._abort_sends: list = []
 
     def planes_to(self, peer: int) -> list:
         return [p for p in self.planes.values() if p.reaches(peer)]
@@ -719,6 +783,38 @@ class Engine:
         while not req.completed and time.perf_counter() < deadline:
             plane.progress()
 
+    # -- aborts: one rank's failure reaches every rank of the operation ----
+    def broadcast_abort(self, peers, seq: int, reason: str) -> None:
+        """Tell peers that operation #seq failed here, with the reason (best effort)."""
+        payload = np.frombuffer(reason.encode()[:ABORT_REASON_MAX], dtype=np.uint8).copy()
+        tag = wire.make_tag(wire.KIND_CTRL, self.comm_id, seq, self.rank, wire.CTRL_ABORT)
+        for peer in peers:
+            if peer == self.rank:
+                continue
+            try:
+                self._abort_sends.append((self.control_plane(peer).send(peer, payload, tag), payload))
+            except (TransportError, Exception):  # a dead plane cannot carry it; the peer's watchdog will
+                pass
+
+    def poll_aborts(self) -> Optional[MpccsError]:
+        """An abort a peer sent for any operation of this communicator, as an error."""
+        tag = wire.make_tag(wire.KIND_CTRL, self.comm_id, 0, 0, wire.CTRL_ABORT)
+        mask = wire.FULL_MASK ^ (((wire.SEQ_MOD - 1) << 40) | ((wire.MAX_FLOWS - 1) << 20))
+        for plane in self.planes.values():
+            probe = plane.probe(tag, mask)
+            if probe is None:
+                continue
+            _, _, seq, sender, _ = wire.split_tag(probe.sender_tag.value)
+            buf = np.zeros(max(1, int(probe.length)), dtype=np.uint8)
+            req = plane.recv_probed(buf[: int(probe.length)], probe)
+            deadline = time.perf_counter() + 5
+            while not req.completed and time.perf_counter() < deadline:
+                plane.progress()
+            reason = bytes(buf[: int(probe.length)]).decode(errors="replace")
+            cls = MismatchError if "called" in reason else TransportError
+            return cls(f"rank {sender} aborted operation #{seq}: {reason}")
+        return None
+
     def submit(self, op: Operation) -> Operation:
         self.active.append(op)
         op.advance()
@@ -741,12 +837,22 @@ class Engine:
 
     def wait(self, op: Operation, timeout_s: float) -> None:
         """Drive progress until op finishes; raise its error or a no-progress timeout."""
+        next_abort_poll = 0.0
         while not op.finished:
             self.progress()
             if op.finished:
                 break
             now = time.perf_counter()
-            if op.stalled_for(now) > timeout_s:
+            stalled = op.stalled_for(now)
+            if stalled > ABORT_POLL_AFTER_S and now >= next_abort_poll:
+                next_abort_poll = now + ABORT_POLL_AFTER_S
+                error = self.poll_aborts()
+                if error is not None:
+                    op._fail(error)
+                    if op in self.active:
+                        self.active.remove(op)
+                    break
+            if stalled > timeout_s:
                 stall = op.describe_stall()
                 err = OperationTimeout(
                     f"{op.name} #{op.seq} made no progress for {timeout_s:g} s; waiting on {stall}",

@@ -41,3 +41,4 @@ def split_tag(tag: int) -> tuple[int, int, int, int, int]:
 
 def chunk_index(tag: int) -> int:
     return tag & LOW_MASK
+CTRL_ABORT = 5

@@ -1,0 +1,88 @@
+"""Operation fingerprints: what a rank believes the current operation is.
+
+Before a rank accepts data from a peer for operation #seq it checks the
+peer's fingerprint for #seq: ranks that call different collectives, counts,
+dtypes, ops or roots get a MismatchError that says exactly what differs,
+instead of a hang or silently wrong data (same bytes, different dtype or op).
+
+Wire form: two little-endian uint64 words.
+  word 0: collective (4 bits) | op (4) | dtype (6) | algorithm (4) | root (20) | chunk log2 (6)
+  word 1: count (elements, or 2**64-1 when ranks may legitimately differ: all_to_allv)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .reduce import SUPPORTED_DTYPES
+
+_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "all_to_allv", "broadcast", "reduce", "barrier")
+_OPS = ("sum", "prod", "min", "max", "avg")
+_ALGORITHMS = ("ring", "rhd", "rd", "tree", "hierarchical", "pairwise", "pipeline")
+ANY_COUNT = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    collective: str
+    op: str
+    dtype: str
+    algorithm: str
+    root: int
+    chunk_log2: int
+    count: int
+
+    def encode(self) -> np.ndarray:
+        word0 = (
+            _COLLECTIVES.index(self.collective)
+            | (_OPS.index(self.op) << 4)
+            | (_dtype_code(self.dtype) << 8)
+            | (_ALGORITHMS.index(self.algorithm) << 14)
+            | ((self.root & 0xFFFFF) << 18)
+            | ((self.chunk_log2 & 0x3F) << 38)
+        )
+        return np.array([word0, self.count], dtype=np.uint64)
+
+    @classmethod
+    def decode(cls, words: np.ndarray) -> "Fingerprint":
+        w0, count = int(words[0]), int(words[1])
+        return cls(
+            collective=_safe(_COLLECTIVES, w0 & 0xF),
+            op=_safe(_OPS, (w0 >> 4) & 0xF),
+            dtype=_safe([str(d) for d in SUPPORTED_DTYPES], (w0 >> 8) & 0x3F),
+            algorithm=_safe(_ALGORITHMS, (w0 >> 14) & 0xF),
+            root=(w0 >> 18) & 0xFFFFF,
+            chunk_log2=(w0 >> 38) & 0x3F,
+            count=count,
+        )
+
+    def describe(self) -> str:
+        count = "any" if self.count == ANY_COUNT else str(self.count)
+        return (f"{self.collective}(count={count}, dtype={self.dtype}, op={self.op}, root={self.root}, "
+                f"algorithm={self.algorithm}, chunk=2**{self.chunk_log2})")
+
+    def differences(self, other: "Fingerprint") -> list[str]:
+        out = []
+        for name in ("collective", "count", "dtype", "op", "root", "algorithm", "chunk_log2"):
+            a, b = getattr(self, name), getattr(other, name)
+            if a != b and not (name == "count" and ANY_COUNT in (a, b)):
+                out.append(f"{name} {a} vs {b}")
+        return out
+
+
+def _dtype_code(name: str) -> int:
+    names = [str(d) for d in SUPPORTED_DTYPES]
+    return names.index(name)
+
+
+def _safe(values, index: int) -> str:
+    return values[index] if index < len(values) else f"<unknown {index}>"
+
+
+def make(collective: str, op: str, dtype, algorithm: str, root, chunk_bytes: int, count) -> Fingerprint:
+    return Fingerprint(
+        collective=collective, op=op, dtype=str(np.dtype(dtype)), algorithm=algorithm,
+        root=root or 0, chunk_log2=max(0, int(chunk_bytes).bit_length() - 1),
+        count=ANY_COUNT if count is None else int(count),
+    )
