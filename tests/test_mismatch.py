@@ -1,0 +1,72 @@
+"""Ranks that call different operations get a clear error on every rank, never a hang."""
+import time
+
+import numpy as np
+import pytest
+
+import mpccs
+from rankpool import RankPool
+
+
+def mismatched(comm, kind):
+    x = np.ones(1000, np.float32)
+    r = comm.rank
+    try:
+        if kind == "size":
+            comm.all_reduce(np.ones(1000 + r, np.float32))
+        elif kind == "dtype":
+            comm.all_reduce(x if r == 0 else np.ones(1000, np.int32))
+        elif kind == "op":
+            comm.all_reduce(x, op="sum" if r == 0 else "max")
+        elif kind == "root":
+            comm.broadcast(x, root=r)
+        elif kind == "collective":
+            if r == 0:
+                comm.all_reduce(x)
+            else:
+                comm.all_gather(x[:500], np.empty(1000, np.float32))
+    except mpccs.MpccsError as exc:
+        try:
+            comm.all_reduce(x)
+            after = "usable"
+        except mpccs.CommunicatorAborted:
+            after = "aborted"
+        return type(exc).__name__, str(exc), after
+    return None
+
+
+@pytest.mark.parametrize("kind", ["size", "dtype", "op", "root", "collective"])
+def test_mismatched_calls_raise_on_every_rank(kind):
+    pool = RankPool(2, env={"MPCCS_TIMEOUT": "20"})
+    try:
+        start = time.monotonic()
+        results = pool.run(mismatched, kind, timeout=60)
+        elapsed = time.monotonic() - start
+    finally:
+        pool.close()
+    for rank, result in enumerate(results):
+        assert result is not None, f"rank {rank} completed a mismatched {kind} call"
+        name, message, after = result
+        assert name in ("MismatchError", "ProtocolError"), message
+        assert after == "aborted"
+    assert elapsed < 15, f"mismatch took {elapsed:.1f} s to surface (a timeout, not detection)"
+
+
+def stall(comm):
+    if comm.rank == 1:
+        return None  # never joins the collective
+    try:
+        comm.all_reduce(np.ones(10, np.float32), async_op=True).wait(timeout=1.0)
+    except mpccs.OperationTimeout as exc:
+        return str(exc)
+    return "completed"
+
+
+def test_no_progress_timeout_names_operation_stage_and_peer():
+    pool = RankPool(2)
+    try:
+        message, _ = pool.run(stall, timeout=30)
+    finally:
+        pool.kill()
+    assert "all_reduce" in message and "no progress for 1 s" in message
+    assert "peer=[1]" in message and "stage=" in message
