@@ -148,7 +148,18 @@ class Communicator:
         self._policy = policy
 
     def last_stats(self) -> Optional[dict]:
+        """Record of the operation completed last (see Work.stats)."""
         return self._last_stats
+
+    def metrics(self) -> dict:
+        """Counters since init: bytes per plane, operations, fallbacks, caps, failures, errors."""
+        return self._telemetry.counters.as_dict()
+
+    def prometheus(self) -> str:
+        """The counters in Prometheus' text exposition format."""
+        from .telemetry import prometheus_text
+
+        return prometheus_text(self.metrics(), self.rank)
 
     # -- lifecycle -------------------------------------------------------------
     def _check_usable(self) -> None:

@@ -28,7 +28,8 @@ import numpy as np
 from . import wire
 from .algorithms.schedule import Flow, Schedule, Stage
 from .errors import MismatchError, MpccsError, OperationTimeout, ProtocolError, TransportError
-from .reduce import finish_avg, reduce_into
+from .reduce import reduce_into
+from .telemetry import wall
 from .windows import OUT, UP, FlowCursor, boundary_for, chunk_count, chunk_range, flow_chunk_elems
 
 MIN_CHUNK_BYTES = 64 << 10
@@ -241,6 +242,7 @@ class Operation:
             "op": self.name,
             "seq": self.seq,
             "duration_s": (self.t_end or time.perf_counter()) - self.t_start,
+            "t_start_wall": wall(self.t_start),
             "bytes_per_plane": dict(self.bytes_per_plane),
         }
 
@@ -523,6 +525,7 @@ class CollectiveOp(Operation):
         reason = {} if run.plan is None else {k: v for k, v in run.plan.reason.items() if k != "decision"}
         self.stage_log.append({
             "stage": run.stage.id, "label": run.stage.label, "duration_s": run.t_end - run.t_start,
+            "t_start_wall": wall(run.t_start),
             "bytes_per_plane": dict(run.bytes_by_plane), "split": reason,
         })
 

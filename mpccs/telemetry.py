@@ -1,25 +1,83 @@
-"""Per-operation records: JSON lines to ``MPCCS_TRACE`` (one file per rank).
+"""Telemetry: per-operation records, counters, and exports for the people who
+run the network.
 
-``MPCCS_TRACE=/tmp/trace.jsonl`` writes ``/tmp/trace.jsonl.rank0`` etc.;
-``{rank}`` in the path is replaced instead when present. Each line is one
-operation's ``stats()`` with a wall-clock timestamp.
+- ``MPCCS_TRACE=/tmp/t.jsonl`` writes one JSON line per operation to
+  ``/tmp/t.jsonl.rank<k>`` (or replaces ``{rank}`` in the path): the op's
+  stats with every stage's decision record (estimates used, predicted times,
+  split, why a plane was dropped or capped) and wall-clock start times.
+- ``Counters`` (``comm.metrics()``) count bytes per plane, operations,
+  fallbacks, caps applied, plane failures and errors;
+  ``prometheus_text`` renders them in Prometheus' text format.
+- ``chrome_trace`` turns trace lines into Chrome-trace/Perfetto events: one
+  process per rank, one track per plane, one slice per stage.
+Recording costs one dict per operation and one buffered write; it stays on in
+benchmarks (docs/benchmarks.md gives the measured cost).
 """
 from __future__ import annotations
 
 import json
 import time
-from typing import Optional
+from collections import Counter
+from typing import Iterable, Optional
+
+# perf_counter() -> wall clock, fixed once per process so stage times line up
+_WALL_OFFSET = time.time() - time.perf_counter()
+
+
+def wall(perf_t: float) -> float:
+    return perf_t + _WALL_OFFSET
+
+
+class Counters:
+    def __init__(self):
+        self.values: Counter = Counter()
+
+    def observe(self, stats: dict) -> None:
+        v = self.values
+        v[f"operations_total{{op=\"{stats.get('op', '?')}\"}}"] += 1
+        if "error" in stats:
+            v["errors_total"] += 1
+        for plane, nbytes in stats.get("bytes_per_plane", {}).items():
+            v[f"bytes_total{{plane=\"{plane}\"}}"] += nbytes
+        for stage in stats.get("stages", []):
+            split = stage.get("split") or {}
+            if split.get("fallback"):
+                v["fallbacks_total"] += 1
+            if split.get("capped"):
+                v["caps_applied_total"] += 1
+        for event in stats.get("events", []):
+            if event.get("kind") == "plane_failure":
+                v[f"plane_failures_total{{plane=\"{event.get('plane')}\"}}"] += 1
+
+    def as_dict(self) -> dict:
+        return dict(self.values)
+
+
+def prometheus_text(counters: dict, rank: int) -> str:
+    lines = []
+    seen = set()
+    for key in sorted(counters):
+        name, _, labels = key.partition("{")
+        metric = f"mpccs_{name}"
+        if metric not in seen:
+            seen.add(metric)
+            lines.append(f"# TYPE {metric} counter")
+        label_text = f'rank="{rank}"' + ("," + labels.rstrip("}") if labels else "")
+        lines.append(f"{metric}{{{label_text}}} {counters[key]}")
+    return "\n".join(lines) + "\n"
 
 
 class Telemetry:
     def __init__(self, path: Optional[str], rank: int):
+        self.rank = rank
+        self.counters = Counters()
         self._file = None
         if path:
             target = path.replace("{rank}", str(rank)) if "{rank}" in path else f"{path}.rank{rank}"
             self._file = open(target, "a", buffering=1 << 16)
-        self.rank = rank
 
     def record(self, stats: dict) -> None:
+        self.counters.observe(stats)
         if self._file is None:
             return
         line = {"t": time.time(), "rank": self.rank, **stats}
@@ -35,3 +93,48 @@ def _jsonable(value):
     if hasattr(value, "__dict__"):
         return {k: v for k, v in vars(value).items() if not k.startswith("_")}
     return str(value)
+
+
+def read_trace(paths: Iterable[str]) -> list[dict]:
+    records = []
+    for path in paths:
+        with open(path) as fh:
+            records.extend(json.loads(line) for line in fh if line.strip())
+    return sorted(records, key=lambda r: r.get("t", 0))
+
+
+def chrome_trace(records: list[dict]) -> dict:
+    """Chrome-trace JSON (open in chrome://tracing or ui.perfetto.dev)."""
+    events = []
+    tids = {"up": 1, "out": 2, "op": 0}
+    for rank in sorted({r.get("rank", 0) for r in records}):
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
+        for name, tid in tids.items():
+            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}})
+    for r in records:
+        rank = r.get("rank", 0)
+        start = r.get("t_start_wall", r.get("t", 0) - r.get("duration_s", 0))
+        events.append({"ph": "X", "name": f"{r.get('op')} #{r.get('seq')}", "pid": rank, "tid": 0,
+                       "ts": start * 1e6, "dur": r.get("duration_s", 0) * 1e6,
+                       "args": {"algorithm": r.get("algorithm"), "policy": r.get("policy"),
+                                "bytes_per_plane": r.get("bytes_per_plane")}})
+        for stage in r.get("stages", []):
+            for plane, nbytes in (stage.get("bytes_per_plane") or {}).items():
+                if not nbytes:
+                    continue
+                events.append({"ph": "X", "name": stage.get("label") or f"stage {stage.get('stage')}",
+                               "pid": rank, "tid": tids.get(plane, 3), "ts": stage.get("t_start_wall", start) * 1e6,
+                               "dur": stage.get("duration_s", 0) * 1e6,
+                               "args": {"bytes": nbytes, "split": stage.get("split")}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def share_timeline(records: list[dict]) -> list[tuple[float, float, int]]:
+    """(time, share of bytes on 'up', bytes) per operation that moved bytes."""
+    out = []
+    for r in records:
+        bpp = r.get("bytes_per_plane") or {}
+        total = sum(bpp.values())
+        if total:
+            out.append((r.get("t", 0), bpp.get("up", 0) / total, total))
+    return out
