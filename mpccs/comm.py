@@ -1,6 +1,7 @@
 """The Communicator: validates arguments, picks a plan, runs it, returns Work."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -257,7 +258,7 @@ class Communicator:
 
     # -- collectives ---------------------------------------------------------
     def _schedule(self, collective: str, count: int, nbytes: int, root=None, **extra):
-        algorithm = extra.pop("algorithm", None) or algorithms.default_algorithm(collective, self.size, nbytes, self.topology)
+        algorithm = extra.pop("algorithm", None) or self._default_algorithm(collective, nbytes)
         if algorithm not in algorithms.ALGORITHMS[collective]:
             raise ValueError(f"unknown algorithm {algorithm!r} for {collective}; valid: {', '.join(algorithms.ALGORITHMS[collective])}")
         key = (collective, count, algorithm, root, tuple(sorted((k, _hashable(v)) for k, v in extra.items())))
@@ -271,6 +272,10 @@ class Communicator:
         else:
             self._schedules.move_to_end(key)
         return schedule
+
+    @functools.lru_cache(maxsize=512)
+    def _default_algorithm(self, collective: str, nbytes: int) -> str:
+        return algorithms.default_algorithm(collective, self.size, nbytes, self.topology)
 
     def _run(self, name, schedule, buffers, dtype, op, result, async_op, finalize=None):
         self._check_usable()

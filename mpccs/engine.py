@@ -19,6 +19,7 @@ every path policy.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -27,6 +28,7 @@ import numpy as np
 
 from . import wire
 from .algorithms.schedule import Flow, Schedule, Stage
+from .fingerprint import Fingerprint
 from .errors import MismatchError, MpccsError, OperationTimeout, ProtocolError, TransportError
 from .reduce import reduce_into
 from .telemetry import wall
@@ -34,6 +36,7 @@ from .windows import OUT, UP, FlowCursor, boundary_for, chunk_count, chunk_range
 
 MIN_CHUNK_BYTES = 64 << 10
 ABORT_REASON_MAX = 1024
+IDLE_SPINS_BEFORE_YIELD = 16
 ABORT_POLL_AFTER_S = 0.005  # look for peers' aborts only once an operation stalls this long
 
 
@@ -247,6 +250,41 @@ class Operation:
         }
 
 
+@dataclass(frozen=True)
+class LocalPlan:
+    """What one rank needs of a schedule, computed once per (schedule, rank)."""
+
+    peers_out: tuple
+    peers_in: tuple
+    # Fingerprints go both ways between every pair that exchanges data, so
+    # a rank that only sends (a broadcast root) still learns of a mismatch.
+    fp_peers: tuple
+    dep_counts: dict
+    dependents: dict
+    stage_by_id: dict
+    initial_ready: tuple
+
+
+def local_plan(schedule: Schedule, rank: int) -> LocalPlan:
+    key = ("local_plan", rank)
+    plan = schedule.meta.get(key)
+    if plan is None:
+        flows = list(schedule.flows())
+        peers_out = tuple(sorted({f.dst for f in flows if f.src == rank}))
+        peers_in = tuple(sorted({f.src for f in flows if f.dst == rank}))
+        dependents: dict[int, list[int]] = {}
+        for stage in schedule.stages:
+            for d in stage.deps:
+                dependents.setdefault(d, []).append(stage.id)
+        plan = LocalPlan(
+            peers_out, peers_in, tuple(sorted(set(peers_out) | set(peers_in))),
+            {s.id: len(s.deps) for s in schedule.stages}, dependents,
+            {s.id: s for s in schedule.stages}, tuple(s.id for s in schedule.stages if not s.deps),
+        )
+        schedule.meta[key] = plan
+    return plan
+
+
 class CollectiveOp(Operation):
     def __init__(self, engine, seq, schedule: Schedule, buffers: dict, dtype, op: str,
                  splitter: Splitter, chunk_bytes: int, name: str, finalize: Optional[Callable] = None,
@@ -267,9 +305,6 @@ class CollectiveOp(Operation):
         self.finalize = finalize
         rank = engine.rank
         self.rank = rank
-        self.remaining_deps: dict[int, int] = {}
-        self.dependents: dict[int, list[int]] = {}
-        self.local_stages = set()
         self.active: list[StageRun] = []
         self.stage_log: list[dict] = []
         self.out_chunks: list = []  # (req, outflow, plane, nbytes, t_post, stagerun)
@@ -281,23 +316,17 @@ class CollectiveOp(Operation):
 
     # -- setup ------------------------------------------------------------
     def _prepare(self) -> None:
-        me = self.rank
-        self.peers_out = sorted({f.dst for f in self.schedule.flows() if f.src == me})
-        self.peers_in = sorted({f.src for f in self.schedule.flows() if f.dst == me})
-        # Fingerprints go both ways between every pair that exchanges data, so
-        # a rank that only sends (a broadcast root) still learns of a mismatch.
-        self.fp_peers = sorted(set(self.peers_in) | set(self.peers_out))
+        local = local_plan(self.schedule, self.rank)
+        self.peers_out, self.peers_in, self.fp_peers = local.peers_out, local.peers_in, local.fp_peers
         self.verified = set(self.fp_peers) if self.fingerprint is None else set()
         self._fp_sends, self._fp_recvs = [], []
-        if self.fingerprint is not None:
+        if self.fingerprint is not None and self.fp_peers:
             self._exchange_fingerprints()
-        for stage in self.schedule.stages:
-            self.remaining_deps[stage.id] = len(stage.deps)
-            for d in stage.deps:
-                self.dependents.setdefault(d, []).append(stage.id)
+        self.remaining_deps = dict(local.dep_counts)
+        self.dependents = local.dependents
+        self.stage_by_id = local.stage_by_id
         self._run_copies(self.schedule.prologue)
-        self.ready = [s.id for s in self.schedule.stages if not s.deps]
-        self.stage_by_id = {s.id: s for s in self.schedule.stages}
+        self.ready = list(local.initial_ready)
 
     def _exchange_fingerprints(self) -> None:
         """Send ours to, and expect theirs from, every peer this rank exchanges data with."""
@@ -321,8 +350,6 @@ class CollectiveOp(Operation):
                 still.append((req, peer, row))
                 continue
             req.check_error()
-            from .fingerprint import Fingerprint
-
             theirs = Fingerprint.decode(self._fp_bufs[row])
             diffs = self.fingerprint.differences(theirs)
             if diffs:
@@ -841,8 +868,16 @@ class Engine:
     def wait(self, op: Operation, timeout_s: float) -> None:
         """Drive progress until op finishes; raise its error or a no-progress timeout."""
         next_abort_poll = 0.0
+        idle = 0
         while not op.finished:
-            self.progress()
+            if self.progress():
+                idle = 0
+            else:
+                idle += 1
+                if idle > IDLE_SPINS_BEFORE_YIELD:
+                    # Ranks may share cores (2-core machines, oversubscribed
+                    # tests): give the peer we wait for a chance to run.
+                    os.sched_yield()
             if op.finished:
                 break
             now = time.perf_counter()

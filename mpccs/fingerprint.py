@@ -11,6 +11,7 @@ Wire form: two little-endian uint64 words.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +35,10 @@ class Fingerprint:
     count: int
 
     def encode(self) -> np.ndarray:
+        return self._words
+
+    @functools.cached_property
+    def _words(self) -> np.ndarray:
         word0 = (
             _COLLECTIVES.index(self.collective)
             | (_OPS.index(self.op) << 4)
@@ -50,7 +55,7 @@ class Fingerprint:
         return cls(
             collective=_safe(_COLLECTIVES, w0 & 0xF),
             op=_safe(_OPS, (w0 >> 4) & 0xF),
-            dtype=_safe([str(d) for d in SUPPORTED_DTYPES], (w0 >> 8) & 0x3F),
+            dtype=_safe(_DTYPE_NAMES, (w0 >> 8) & 0x3F),
             algorithm=_safe(_ALGORITHMS, (w0 >> 14) & 0xF),
             root=(w0 >> 18) & 0xFFFFF,
             chunk_log2=(w0 >> 38) & 0x3F,
@@ -71,16 +76,21 @@ class Fingerprint:
         return out
 
 
+_DTYPE_NAMES = [str(d) for d in SUPPORTED_DTYPES]
+_DTYPE_CODE = {name: code for code, name in enumerate(_DTYPE_NAMES)}
+
+
 def _dtype_code(name: str) -> int:
-    names = [str(d) for d in SUPPORTED_DTYPES]
-    return names.index(name)
+    return _DTYPE_CODE[name]
 
 
 def _safe(values, index: int) -> str:
     return values[index] if index < len(values) else f"<unknown {index}>"
 
 
+@functools.lru_cache(maxsize=1024)
 def make(collective: str, op: str, dtype, algorithm: str, root, chunk_bytes: int, count) -> Fingerprint:
+    """Cached: the same call shape on every step of a training loop costs a dict lookup."""
     return Fingerprint(
         collective=collective, op=op, dtype=str(np.dtype(dtype)), algorithm=algorithm,
         root=root or 0, chunk_log2=max(0, int(chunk_bytes).bit_length() - 1),
