@@ -164,7 +164,7 @@ def _close(got, expected):
 
 
 def timed(comm, case: Case, policy) -> tuple[float, dict]:
-    comm.set_path_policy(policy)
+    comm.set_path_policy(policy.base if isinstance(policy, Repeat) else policy)
     comm.barrier()
     t0 = time.perf_counter()
     case.run()
@@ -198,8 +198,28 @@ def measure(comm, case: Case, policies, iters: int, warmup: int):
     return {p: slowest(comm, times[p]) for p in policies}, shares, last
 
 
+class Repeat(str):
+    """A policy listed again (an A/A control): runs as ``base``, labelled apart."""
+
+    base = None
+
+
+def labelled(policies) -> tuple:
+    seen, out = {}, []
+    for p in policies:
+        name = f"{p:g}" if isinstance(p, float) else p
+        seen[name] = seen.get(name, 0) + 1
+        if seen[name] > 1:
+            r = Repeat(f"{name}#{seen[name]}")
+            r.base = p
+            out.append(r)
+        else:
+            out.append(p)
+    return tuple(out)
+
+
 def policy_label(p) -> str:
-    return f"{p:g}" if isinstance(p, float) else p
+    return f"{p:g}" if isinstance(p, float) else str(p)
 
 
 def main(argv=None) -> int:
@@ -217,6 +237,8 @@ def main(argv=None) -> int:
     ap.add_argument("-J", "--json", default=None, help="write results as JSON to this file")
     ap.add_argument("--path", default="adaptive", help="adaptive | up | out | fraction on up")
     ap.add_argument("--compare", action="store_true", help="up, out, 0.8 and adaptive interleaved")
+    ap.add_argument("--policies", default=None,
+                    help="comma list of policies run interleaved, e.g. up,up,adaptive (a repeat is an A/A control)")
     ap.add_argument("--in-place", action="store_true", help="in-place variant (all_reduce)")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
     ns = ap.parse_args(argv)
@@ -225,7 +247,12 @@ def main(argv=None) -> int:
 
     comm = mpccs.init()
     dtype = dtype_of(ns.datatype)
-    policies = COMPARE_POLICIES if ns.compare else (parse_policy(ns.path),)
+    if ns.policies:
+        policies = tuple(parse_policy(p) for p in ns.policies.split(","))
+        ns.compare = True
+    else:
+        policies = COMPARE_POLICIES if ns.compare else (parse_policy(ns.path),)
+    policies = labelled(policies)
     rows = []
     size_list = sizes(parse_size(ns.minbytes), parse_size(ns.maxbytes), ns.stepfactor)
     if comm.rank == 0:

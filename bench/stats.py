@@ -1,0 +1,40 @@
+"""Ratios with bootstrap intervals, the method every benchmark report uses.
+
+A ratio "A over B" is speed(A) / speed(B) = time(B) / time(A). For policies
+timed interleaved in one run the iterations are paired (iteration i of A and
+of B ran back to back), so the bootstrap resamples iteration indices; for
+peers timed in other processes the two samples are resampled independently.
+The reported value is the median ratio with a 95% percentile interval.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+RESAMPLES = 2000
+
+
+def ratio_ci(times_a, times_b, paired: bool, seed: int = 0) -> tuple[float, float, float]:
+    """(median ratio, 2.5th, 97.5th percentile) of time(B)/time(A): >1 means A is faster."""
+    a, b = np.asarray(times_a, float), np.asarray(times_b, float)
+    rng = np.random.default_rng(seed)
+    if paired and len(a) == len(b):
+        idx = rng.integers(0, len(a), (RESAMPLES, len(a)))
+        ratios = np.median(b[idx], axis=1) / np.median(a[idx], axis=1)
+    else:
+        ia = rng.integers(0, len(a), (RESAMPLES, len(a)))
+        ib = rng.integers(0, len(b), (RESAMPLES, len(b)))
+        ratios = np.median(b[ib], axis=1) / np.median(a[ia], axis=1)
+    point = float(np.median(b) / np.median(a))
+    lo, hi = np.percentile(ratios, [2.5, 97.5])
+    return point, float(lo), float(hi)
+
+
+def holds(ratio: tuple[float, float, float], target: float, noise_floor: float) -> bool:
+    """A target holds when the interval's lower bound minus the A/A noise floor clears it."""
+    return ratio[1] - noise_floor >= target
+
+
+def noise_floor(times_a, times_a2) -> float:
+    """Half-width of the A/A ratio's interval around 1 (how far identical runs stray)."""
+    point, lo, hi = ratio_ci(times_a, times_a2, paired=True)
+    return max(abs(1 - lo), abs(hi - 1), abs(point - 1))
