@@ -1,0 +1,771 @@
+"""PathController: per-stage split between the 'up' and 'out' planes.
+
+Pure logic: no I/O and no clock. Every method takes the time it should
+believe, so tests drive it with synthetic clocks and the simulator drives the
+same object the engine does.
+
+One decision per stage (a coflow): estimates -> coflow split -> fallbacks
+and probes -> hysteresis and bounded steps -> QoS caps -> aligned byte
+boundaries and per-plane windows. Realised stage times come back through
+``on_stage``; they are the only evidence used to decide that a second plane
+hurts (planes that share CPU, PCIe or memory), never a rule keyed on
+transport or host names. See docs/controller.md for the equations.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import struct
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Mapping, Optional, Sequence
+
+from . import qos
+from .estimator import PLANES, Estimator, EstimateView, PathEstimate, window_bytes
+from .split import FlowDemand, PathModel, SplitFlow, finish_times, solve_coflow
+
+KiB = 1024
+
+
+def _default_prior_rate() -> dict[str, float]:
+    # Measured on the development machines (shared/reference/environment.md):
+    # shm ~5 GB/s, tcp on loopback ~0.7 GB/s. Only the first decision uses them.
+    return {"up": 5e9, "out": 0.7e9}
+
+
+def _default_prior_delay() -> dict[str, float]:
+    # Half round trips of an 8-byte message measured there: 14 us and 29 us.
+    return {"up": 14e-6, "out": 29e-6}
+
+
+@dataclass
+class ControlConfig:
+    """Controller constants. Every default is explained in docs/controller.md."""
+
+    # Fallback: multipath=False is exactly a one-plane library (in-domain flows
+    # on ``single_plane``, nothing borrowed, no stealing).
+    multipath: bool = True
+    single_plane: str = "up"
+    # Flows below this go whole to the plane predicted fastest. 256 KiB takes
+    # 25-50 us at 5-10 GB/s, about one scale-out round trip here: the second
+    # plane cannot deliver its share before the first is done, and the split
+    # costs a second stream of chunks to track.
+    min_multipath_bytes: int = 256 * KiB
+    # Ranks off a stage's critical path aim this much below the stage time
+    # (estimates run a few % optimistic: the max filter's noise bias).
+    coflow_slack: float = 0.05
+    # QoS on borrowed scale-out capacity (see qos.py).
+    out_cap_share: float = 1.0
+    out_cap_rate_Bps: Optional[float] = None
+    # Stability: keep the previous share inside the band; move at most
+    # max_step per decision outside it.
+    hysteresis: float = 0.05
+    max_step: float = 0.2
+    # Negative-value detection and re-probing.
+    probe_every: int = 16          # decisions between re-probes of a dropped plane (and between checks)
+    probe_backoff_max: int = 8     # failed probes double the interval up to probe_every * this
+    probe_share: float = 0.125     # share a probe puts on the dropped plane
+    min_gain: float = 0.01         # joint stages must beat one plane alone by this much, or the plane is dropped
+    harm_margin: float = 0.05      # a probe this much slower than solo backs the next probe off
+    readd_margin: float = 0.03     # a probe this much faster than solo brings the plane back
+    solo_fresh_decisions: int = 4  # a solo record this recent may condemn a plane without a new check
+    accuracy_band: float = 0.15    # judge a stage only if |realised/predicted - 1| <= this
+    # Windows: g * B * R rounded up to chunks, at least 2 chunks.
+    window_gain: float = 2.0
+    chunk_bytes: int = 512 * KiB
+    # Estimator filters (BBR: ~10 rounds; here chunk samples and seconds).
+    filter_samples: int = 32       # chunk samples the max/min filters remember (8 rounds)
+    filter_round_chunks: int = 4   # chunk samples averaged into one delivered-rate round
+    filter_max_age_s: float = 2.0
+    step_down_ratio: float = 0.75
+    step_down_samples: int = 4
+    prior_rate_Bps: dict = field(default_factory=_default_prior_rate)
+    prior_delay_s: dict = field(default_factory=_default_prior_delay)
+    # Decide for this rank from the estimates it last exported (what every
+    # other rank sees) rather than from fresher local ones.
+    decide_from_exported_view: bool = True
+
+    def __post_init__(self):
+        if self.single_plane not in PLANES:
+            raise ValueError(f"single_plane must be one of {PLANES}, got {self.single_plane!r}")
+        if not 0.0 <= self.out_cap_share <= 1.0:
+            raise ValueError(f"out_cap_share must lie in [0, 1], got {self.out_cap_share}")
+        if self.out_cap_rate_Bps is not None and self.out_cap_rate_Bps < 0:
+            raise ValueError("out_cap_rate_Bps must be >= 0")
+        for name in ("hysteresis", "max_step", "probe_share"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must lie in [0, 1], got {value}")
+        if self.max_step <= 0:
+            raise ValueError("max_step must be > 0")
+        for name in ("probe_every", "probe_backoff_max", "chunk_bytes", "filter_samples", "step_down_samples",
+                     "filter_round_chunks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.coflow_slack < 0:
+            raise ValueError("coflow_slack must be >= 0")
+        if self.window_gain <= 0:
+            raise ValueError("window_gain must be > 0")
+        for plane in PLANES:
+            if self.prior_rate_Bps.get(plane, 0) <= 0 or self.prior_delay_s.get(plane, -1) < 0:
+                raise ValueError(f"prior_rate_Bps/prior_delay_s need a positive value for plane {plane!r}")
+
+
+@dataclass
+class StageDecision:
+    up_bytes: dict[int, int]          # flow_id -> bytes carried by 'up' (a prefix of the flow)
+    window_bytes: dict[str, int]      # plane -> max bytes in flight on that plane
+    steal: bool                       # may a plane that runs ahead take the other's unstarted tail
+    out_cap_bytes: dict[int, int]     # flow_id -> hard cap on 'out' bytes, stealing included
+    reason: dict                      # JSON-able explanation
+    window_by_rank: dict[int, dict[str, int]] = field(default_factory=dict)
+    steal_by_rank: dict[int, bool] = field(default_factory=dict)
+
+    def out_bytes(self, flow: FlowDemand) -> int:
+        return flow.nbytes - self.up_bytes.get(flow.flow_id, 0)
+
+
+@dataclass
+class _Mode:
+    """What a rank does in one decision."""
+
+    kind: str                     # "multipath", "single", "check" (solo diagnostic), "probe"
+    plane: Optional[str] = None   # plane run alone (check) or re-probed (probe)
+    dropped: frozenset = frozenset()
+
+
+@dataclass
+class _RankState:
+    """Negative-value bookkeeping of one sending rank, from its realised stages."""
+
+    dropped: set = field(default_factory=set)
+    solo: dict = field(default_factory=lambda: {p: deque(maxlen=5) for p in PLANES})  # (k, net rate)
+    pending_check: Optional[str] = None
+    joint: deque = field(default_factory=lambda: deque(maxlen=3))   # judged joint stages: (bytes, seconds)
+    regime_at_joint: int = 0
+    last_check_k: float = -math.inf
+    regime_at_check: int = 0
+    probe_interval: int = 0
+    next_probe_k: float = math.inf
+    checks: int = 0
+    drops: int = 0
+    probes: int = 0
+    readds: int = 0
+
+    def to_json(self) -> dict:
+        return {
+            "dropped": sorted(self.dropped),
+            "solo_ref_Bps": {p: (_median_rate(q) if q else None) for p, q in self.solo.items()},
+            "pending_check": self.pending_check,
+            "probe_interval": self.probe_interval,
+            "next_probe": None if math.isinf(self.next_probe_k) else self.next_probe_k,
+            "checks": self.checks, "drops": self.drops, "probes": self.probes, "readds": self.readds,
+        }
+
+
+# Blob: header (version, dropped-plane bits, entry count), then per (plane, peer)
+# one entry (plane index, peer, rate B/s, fixed delay s) = 13 bytes.
+_BLOB_VERSION = 1
+_HDR = struct.Struct("<BBH")
+_ENTRY = struct.Struct("<BIff")
+
+
+class PathController:
+    def __init__(self, config: Optional[ControlConfig] = None, rank: Optional[int] = None):
+        """``rank``: the rank this controller runs in. Left out, it is taken from
+        the flows ``decide`` sees when they all leave from one rank (an engine
+        deciding its own sends), else 0."""
+        self.config = config if config is not None else ControlConfig()
+        self._rank = rank
+        self._inferred_rank: Optional[int] = None
+        cfg = self.config
+        self.estimator = Estimator(
+            cfg.prior_rate_Bps, cfg.prior_delay_s,
+            max_samples=cfg.filter_samples, max_age_s=cfg.filter_max_age_s,
+            drop_ratio=cfg.step_down_ratio, drop_samples=cfg.step_down_samples,
+            round_samples=cfg.filter_round_chunks,
+        )
+        self._k = 0                                   # decisions made
+        self._states: dict[int, _RankState] = {}      # ranks whose stages we observe
+        self._remote_dropped: dict[int, set] = {}     # other ranks' dropped planes (from blobs)
+        self._shares: dict[tuple, float] = {}         # (src, dst, size class) -> share on 'out'
+        self._events: deque = deque(maxlen=64)
+        self._last_reason: Optional[dict] = None
+
+    @property
+    def rank(self) -> int:
+        if self._rank is not None:
+            return self._rank
+        return self._inferred_rank if self._inferred_rank is not None else 0
+
+    # ------------------------------------------------------------------ decide
+    def decide(self, flows: Sequence[FlowDemand], now: float, align: int = 4096,
+               chunk_bytes: Optional[int] = None) -> StageDecision:
+        """Split every flow of one stage between the planes, together."""
+        cfg = self.config
+        if align < 1:
+            raise ValueError("align must be >= 1")
+        chunk = int(chunk_bytes or cfg.chunk_bytes)
+        flows = list(flows)
+        _validate(flows)
+        self._k += 1
+        k = self._k
+        by_src: dict[int, list[FlowDemand]] = {}
+        for f in flows:
+            by_src.setdefault(f.src, []).append(f)
+        srcs = sorted(by_src)
+        if len(srcs) == 1:
+            self._inferred_rank = srcs[0]
+        view = self.estimator.view(now, chunk)
+        ports = {s: {p: view.plane(s, p) for p in PLANES} for s in srcs}
+        models = _models(ports)
+        caps = qos.share_caps(flows, cfg.out_cap_share, align)
+        solo_planes = {s: self._solo_planes(by_src[s], caps) for s in srcs}
+        modes = {s: self._mode(s, k, by_src[s], solo_planes[s]) for s in srcs}
+        allowed = {f.flow_id: self._allowed_planes(f, modes[f.src], view) for f in flows}
+        split_in = self._split_inputs(flows, allowed, caps, view)
+        split = solve_coflow(split_in, models, cfg.coflow_slack)
+        rate_cap_time = None
+        if cfg.out_cap_rate_Bps is not None:
+            rate_cap_time = split.stage_time_s
+            caps = qos.combine(caps, qos.rate_caps(flows, cfg.out_cap_rate_Bps, rate_cap_time, align))
+            split_in = self._split_inputs(flows, allowed, caps, view)
+            split = solve_coflow(split_in, models, cfg.coflow_slack)
+
+        out_real, settled = {}, {s: True for s in srcs}
+        links_by_flow = {x.flow_id: x.links for x in split_in}
+        for f in flows:
+            x, ok = self._stabilise(f, split.out_bytes.get(f.flow_id, 0.0), modes[f.src], allowed[f.flow_id],
+                                    links_by_flow[f.flow_id])
+            out_real[f.flow_id] = x
+            settled[f.src] &= ok
+        for f in flows:
+            out_real[f.flow_id] = self._apply_probe(f, out_real[f.flow_id], modes[f.src], allowed[f.flow_id])
+
+        up_bytes, out_cap = {}, {}
+        for f in flows:
+            up_bytes[f.flow_id] = _aligned_up_bytes(f.nbytes, out_real[f.flow_id], caps[f.flow_id], align)
+            out_cap[f.flow_id] = self._steal_cap(f, up_bytes[f.flow_id], caps[f.flow_id], modes[f.src])
+
+        final_out = {f.flow_id: float(f.nbytes - up_bytes[f.flow_id]) for f in flows}
+        finish = finish_times(split_in, models, final_out)
+        window_by_rank = {s: {p: window_bytes(ports[s][p].rate_Bps, ports[s][p].base_delay_s, chunk,
+                                              cfg.window_gain) for p in PLANES} for s in srcs}
+        steal_by_rank = {s: self._steal_allowed(modes[s]) for s in srcs}
+        reason = self._reason(k, now, chunk, align, by_src, split, finish, ports, modes, settled,
+                              up_bytes, caps, split_in, solo_planes)
+        reason["rate_cap_stage_time_s"] = rate_cap_time
+        decision = StageDecision(
+            up_bytes=up_bytes,
+            window_bytes=self._windows_for_me(window_by_rank, chunk),
+            steal=all(steal_by_rank.values()) if steal_by_rank else cfg.multipath,
+            out_cap_bytes=out_cap,
+            reason=reason,
+            window_by_rank=window_by_rank,
+            steal_by_rank=steal_by_rank,
+        )
+        self._last_reason = reason
+        return decision
+
+    def _solo_planes(self, flows: Sequence[FlowDemand], caps: Mapping[int, int]) -> tuple[str, ...]:
+        """Planes allowed to carry all of a rank's in-domain bytes alone (QoS may forbid 'out')."""
+        capped = self.config.out_cap_rate_Bps is not None or any(
+            qos.is_borrowable(f) and caps[f.flow_id] < f.nbytes for f in flows)
+        return ("up",) if capped else PLANES
+
+    def _mode(self, src: int, k: int, flows: Sequence[FlowDemand], solo_planes: tuple[str, ...]) -> _Mode:
+        """Multipath, or one of the measurement stages (check, probe) for this rank."""
+        cfg = self.config
+        if not cfg.multipath:
+            return _Mode("single")
+        st = self._states.get(src)
+        if st is None:
+            return _Mode("multipath", dropped=frozenset(self._remote_dropped.get(src, ())))
+        dropped = frozenset(st.dropped)
+        if not _judgeable(flows, cfg.min_multipath_bytes):
+            return _Mode("multipath", dropped=dropped)
+        if st.pending_check is not None:
+            plane, st.pending_check = st.pending_check, None
+            if plane not in solo_planes:
+                plane = solo_planes[0]
+            st.last_check_k = k
+            st.checks += 1
+            return _Mode("check", plane=plane, dropped=dropped)
+        if st.dropped and k >= st.next_probe_k:
+            plane = sorted(st.dropped)[0]  # one plane at a time
+            st.next_probe_k = k + max(1, st.probe_interval)
+            st.probes += 1
+            return _Mode("probe", plane=plane, dropped=dropped)
+        return _Mode("multipath", dropped=dropped)
+
+    def _allowed_planes(self, f: FlowDemand, mode: _Mode, view: EstimateView) -> tuple[str, ...]:
+        cfg = self.config
+        planes = tuple(p for p in PLANES if p in f.planes)
+        if len(planes) < 2:
+            return planes  # a flow with one plane keeps it whatever else happens
+        if mode.kind == "single":
+            return (cfg.single_plane,)
+        if mode.kind == "check":
+            return (mode.plane,)
+        usable = tuple(p for p in planes if p not in mode.dropped or (mode.kind == "probe" and p == mode.plane))
+        if not usable:
+            usable = planes
+        if f.nbytes < cfg.min_multipath_bytes and len(usable) > 1:
+            # Small: the single plane that finishes it first on its own.
+            times = {p: _path_model(view, f.src, p, f.dst).time(f.nbytes) for p in usable}
+            return (min(usable, key=lambda p: (times[p], PLANES.index(p))),)
+        return usable
+
+    def _split_inputs(self, flows, allowed, caps, view: EstimateView) -> list[SplitFlow]:
+        return [
+            SplitFlow(f.flow_id, f.src, f.nbytes,
+                      {p: _path_model(view, f.src, p, f.dst) for p in allowed[f.flow_id]},
+                      float(caps[f.flow_id]))
+            for f in flows
+        ]
+
+    def _stabilise(self, f: FlowDemand, target_out: float, mode: _Mode,
+                   allowed: tuple[str, ...], links: Mapping[str, PathModel]) -> tuple[float, bool]:
+        """Hysteresis band and bounded step on the flow's share on 'out'.
+
+        The previous share is kept while it is within ``hysteresis`` of the
+        target both as a share and in predicted time (the flow's own finish,
+        a + x / B per plane). The time test matters when the planes are far
+        apart: with 'out' at a tenth of 'up', a share 3 points too high
+        already makes the flow 30 % slower. Outside the band the share moves
+        toward the target by at most ``max_step``.
+
+        Only regular multipath decisions of large in-domain flows are smoothed;
+        forced placements (single plane, dropped plane, small flow, check)
+        jump, and a dropped plane leaves the remembered share at its forced
+        value so that re-adding it ramps up from there.
+        """
+        cfg = self.config
+        n = f.nbytes
+        if n <= 0 or not qos.is_borrowable(f) or n < cfg.min_multipath_bytes:
+            return target_out, True
+        key = (f.src, f.dst, int(math.log2(n)))
+        if mode.kind in ("check", "probe", "single"):
+            return target_out, True
+        target = target_out / n
+        if len(allowed) < 2:
+            self._remember(key, target)
+            return target_out, True
+        prev = self._shares.get(key)
+
+        def flow_time(share: float) -> float:
+            return max(links["up"].time(n * (1 - share)), links["out"].time(n * share))
+
+        def in_band(share: float) -> bool:
+            return (abs(target - share) <= cfg.hysteresis
+                    and flow_time(share) <= flow_time(target) * (1 + cfg.hysteresis))
+
+        if prev is None:
+            share = target
+        elif in_band(prev):
+            share = prev
+        else:
+            share = prev + max(-cfg.max_step, min(cfg.max_step, target - prev))
+        self._remember(key, share)
+        return share * n, in_band(share)
+
+    def _remember(self, key: tuple, share: float) -> None:
+        self._shares.pop(key, None)
+        self._shares[key] = share
+        if len(self._shares) > 4096:  # bounded memory: forget the least recently used pair
+            self._shares.pop(next(iter(self._shares)))
+
+    def _apply_probe(self, f: FlowDemand, out: float, mode: _Mode, allowed: tuple[str, ...]) -> float:
+        """A re-probe puts a small share on the dropped plane.
+
+        The share is what the model would give the plane (so a probe of a
+        recovered plane is faster than one plane alone, not slower because
+        the probe overshot), clamped to [probe_share / 4, probe_share].
+        """
+        if mode.kind != "probe" or len(allowed) < 2 or not qos.is_borrowable(f):
+            return out
+        n = f.nbytes
+        if n < self.config.min_multipath_bytes:
+            return out
+        model_share = (out if mode.plane == "out" else n - out) / n
+        share = min(self.config.probe_share, max(self.config.probe_share / 4, model_share))
+        return share * n if mode.plane == "out" else n - share * n
+
+    def _steal_cap(self, f: FlowDemand, up: int, cap: int, mode: _Mode) -> int:
+        """QoS cap, tightened to 0 where the controller decided 'out' must not carry the flow."""
+        if not qos.is_borrowable(f):
+            return cap if "out" in f.planes else 0
+        if mode.kind == "single" or f.nbytes - up == 0:
+            return 0
+        return cap
+
+    def _steal_allowed(self, mode: _Mode) -> bool:
+        # 'up' has no cap in the contract, so stealing is off whenever 'up' must
+        # stay idle: up dropped, or a solo measurement on 'out'.
+        if mode.kind == "single":
+            return False
+        if "up" in mode.dropped:
+            return False
+        return not (mode.kind == "check" and mode.plane == "out")
+
+    def _windows_for_me(self, window_by_rank: dict[int, dict[str, int]], chunk: int) -> dict[str, int]:
+        if self.rank in window_by_rank:
+            return dict(window_by_rank[self.rank])
+        if not window_by_rank:
+            return {p: 2 * chunk for p in PLANES}
+        return {p: max(w[p] for w in window_by_rank.values()) for p in PLANES}
+
+    def _reason(self, k, now, chunk, align, by_src, split, finish, ports, modes, settled,
+                up_bytes, caps, split_in, solo_planes) -> dict:
+        cfg = self.config
+        ranks = {}
+        in_by_src: dict[int, list[SplitFlow]] = {}
+        for x in split_in:
+            in_by_src.setdefault(x.src, []).append(x)
+        flows = [f for fl in by_src.values() for f in fl]
+        for s, mode in modes.items():
+            own = by_src[s]
+            own_in = in_by_src.get(s, [])
+            single = self._single_plane_times(own, own_in, ports[s], s)
+            bytes_by_plane = {"up": sum(up_bytes[f.flow_id] for f in own),
+                              "out": sum(f.nbytes - up_bytes[f.flow_id] for f in own)}
+            why = []
+            if mode.dropped:
+                why.append(f"dropped {sorted(mode.dropped)}: realised joint stages slower than one plane alone")
+            if mode.kind == "check":
+                why.append(f"check: one stage on {mode.plane} alone to measure its solo rate")
+            if mode.kind == "probe":
+                why.append(f"probe: {cfg.probe_share:.3f} of each flow on dropped plane {mode.plane}")
+            if any(0 < f.nbytes < cfg.min_multipath_bytes and qos.is_borrowable(f) for f in own):
+                why.append(f"flows under {cfg.min_multipath_bytes} B on one plane")
+            if any(qos.is_borrowable(f) and caps[f.flow_id] < f.nbytes for f in own):
+                why.append("QoS cap on borrowed 'out' bytes")
+            ranks[str(s)] = {
+                "mode": mode.kind,
+                "plane": mode.plane,
+                "dropped": sorted(mode.dropped),
+                "judgeable": _judgeable(own, cfg.min_multipath_bytes),
+                # Predictions from priors say nothing about the planes: never judged.
+                "measured": all(ports[s][p].measured for p in PLANES if bytes_by_plane[p] > 0),
+                "settled": settled[s],
+                "pred_s": max(finish.get(s, {}).values(), default=0.0),
+                "finish_s": finish.get(s, {}),
+                "single_s": single,
+                "best_single": min(single, key=single.get) if single else None,
+                "solo_planes": list(solo_planes[s]),
+                "est": {p: {"rate_Bps": e.rate_Bps, "latency_s": e.latency_s, "measured": e.measured}
+                        for p, e in ports[s].items()},
+                "bytes": bytes_by_plane,
+                "why": why,
+            }
+        reason = {
+            "decision": k,
+            "now": now,
+            "chunk_bytes": chunk,
+            "align": align,
+            "stage_time_s": max((r["pred_s"] for r in ranks.values()), default=0.0),
+            "optimal_stage_time_s": split.stage_time_s,
+            "critical_rank": split.critical_src,
+            "bytes": sum(f.nbytes for f in flows),
+            "out_bytes": sum(f.nbytes - up_bytes[f.flow_id] for f in flows),
+            "ranks": ranks,
+        }
+        if len(flows) <= 64:
+            reason["flows"] = {str(f.flow_id): {"target_out": round(split.out_bytes.get(f.flow_id, 0.0)),
+                                                "out": f.nbytes - up_bytes[f.flow_id],
+                                                "cap": caps[f.flow_id]} for f in flows}
+        return reason
+
+    def _single_plane_times(self, own, own_in, ports, src) -> dict[str, float]:
+        """Predicted time of this rank's flows if one plane carried all of them."""
+        if not own or not all(qos.is_borrowable(f) for f in own):
+            return {}
+        models = {src: _models({src: ports})[src]}
+        out = {}
+        for plane in PLANES:
+            flows_on = [SplitFlow(x.flow_id, x.src, x.nbytes, {plane: PathModel(ports[plane].rate_Bps,
+                                                                                 ports[plane].latency_s)})
+                        for x in own_in]
+            placed = {x.flow_id: (float(x.nbytes) if plane == "out" else 0.0) for x in own_in}
+            out[plane] = max(finish_times(flows_on, models, placed)[src].values(), default=0.0)
+        return out
+
+    # ---------------------------------------------------------------- feedback
+    def on_chunk(self, plane: str, peer: int, nbytes: int, t_post: float, t_done: float,
+                 src: Optional[int] = None) -> None:
+        """One chunk completion seen at a plane's window (``src`` defaults to this rank)."""
+        self.estimator.observe(self.rank if src is None else src, plane, peer, nbytes, t_post, t_done)
+
+    def on_stage(self, decision: StageDecision, t_start: float, t_end: float,
+                 bytes_by_plane: Mapping[str, int], rank: Optional[int] = None) -> None:
+        """Realised time of one stage on one rank: the evidence for dropping a plane."""
+        cfg = self.config
+        src = self.rank if rank is None else rank
+        info = decision.reason.get("ranks", {}).get(str(src))
+        duration = t_end - t_start
+        if not cfg.multipath or info is None or duration <= 0 or not info["judgeable"]:
+            return
+        st = self._states.setdefault(src, _RankState())
+        k = decision.reason["decision"]
+        nbytes = sum(int(bytes_by_plane.get(p, 0)) for p in PLANES)
+        used = [p for p in PLANES if bytes_by_plane.get(p, 0) > 0]
+        if nbytes < cfg.min_multipath_bytes or not used:
+            return
+        latency = {p: info["est"][p]["latency_s"] for p in PLANES}
+        if len(used) == 1:
+            self._record_solo(st, src, used[0], nbytes, duration, latency[used[0]], k)
+            if info["mode"] == "check":
+                self._resolve_check(st, src, used[0], latency, k)
+            return
+        self._lift_solo_refs(st, src, t_end, k)
+        if info["mode"] == "probe":
+            self._resolve_probe(st, src, info, nbytes, duration, latency, k)
+        elif info["mode"] == "multipath":
+            self._judge_joint(st, src, info, nbytes, duration, latency, k)
+
+    def _record_solo(self, st: _RankState, src: int, plane: str, nbytes: int, duration: float,
+                     latency: float, k: int):
+        net = duration - latency
+        net = net if net > 0.5 * duration else duration  # latency estimate off: keep the raw rate
+        rate = nbytes / net
+        q = st.solo[plane]
+        if q and not 0.8 <= rate / _median_rate(q) <= 1.25:
+            q.clear()  # a different regime: older records describe a plane that is gone
+        q.append((k, rate))
+
+    def _lift_solo_refs(self, st: _RankState, src: int, now: float, k: int) -> None:
+        """A plane's rate while sharing is a lower bound of its rate alone.
+
+        When the estimator sees a plane deliver well above its recorded solo
+        rate, the record is stale (the plane got faster); raise it instead of
+        spending a stage to re-measure. 0.9 removes the max filter's noise bias.
+        """
+        for plane in PLANES:
+            q = st.solo[plane]
+            if not q:
+                continue
+            est = self.estimator.plane(src, plane, now)
+            if est.measured and 0.9 * est.rate_Bps > 1.2 * _median_rate(q):
+                q.clear()
+                q.append((k, 0.9 * est.rate_Bps))
+
+    def _solo_time(self, st: _RankState, plane: str, nbytes: int, latency: Mapping[str, float]) -> Optional[float]:
+        q = st.solo[plane]
+        if not q:
+            return None
+        return latency[plane] + nbytes / _median_rate(q)
+
+    def _best_solo(self, st, nbytes, latency, planes=PLANES) -> Optional[tuple[str, float]]:
+        times = {p: self._solo_time(st, p, nbytes, latency) for p in planes}
+        times = {p: t for p, t in times.items() if t is not None}
+        if not times:
+            return None
+        plane = min(times, key=times.get)
+        return plane, times[plane]
+
+    def _judge_joint(self, st, src, info, nbytes, duration, latency, k) -> None:
+        """A settled, well-predicted joint stage: does the second plane pay?
+
+        The verdict is the median over the last few judged joint stages of
+        realised time / solo time, so one noisy stage neither drops a plane
+        nor hides real harm. A second plane that does not win at least
+        ``min_gain`` is dropped: slower is negative value, and "as fast"
+        borrows scale-out capacity for nothing. Dropping needs two stages and
+        a fresh solo record; a stale record first buys one check stage.
+        """
+        cfg = self.config
+        if not info["settled"] or not info["measured"] or info["pred_s"] <= 0:
+            return
+        if abs(duration / info["pred_s"] - 1.0) > cfg.accuracy_band:
+            return  # estimates were stale (a step change in progress): no verdict
+        regime = self.estimator.regime_changes(src)
+        if regime != st.regime_at_joint:
+            st.joint.clear()  # a plane changed rate: older joint stages describe other planes
+            st.regime_at_joint = regime
+        st.joint.append((nbytes, duration))
+        solo_planes = info["solo_planes"]
+        best = self._best_solo(st, nbytes, latency, solo_planes)
+        if best is None:
+            plane = info["best_single"] if info["best_single"] in solo_planes else solo_planes[0]
+            self._request_check(st, src, plane, k)
+            return
+        plane = best[0]
+        ratio = self._joint_over_solo(st, plane, latency)
+        if ratio is None or ratio <= 1 - cfg.min_gain:
+            return
+        if len(st.joint) >= 2 and self._solo_ref_fresh(st, src, plane, k):
+            self._drop(st, src, keep=plane, k=k, evidence={"joint_over_solo": ratio})
+        elif not self._solo_ref_fresh(st, src, plane, k):
+            self._request_check(st, src, plane, k)
+
+    def _joint_over_solo(self, st, plane, latency) -> Optional[float]:
+        ratios = []
+        for nbytes, duration in st.joint:
+            t_solo = self._solo_time(st, plane, nbytes, latency)
+            if t_solo:
+                ratios.append(duration / t_solo)
+        return statistics.median(ratios) if ratios else None
+
+    def _solo_ref_fresh(self, st, src, plane, k) -> bool:
+        """Measured alone within the last few decisions.
+
+        Only a solo stage right next to the joint ones tells interference
+        (a plane slows down because the other is in use) from a plane that
+        simply got slower: the estimator sees the same step down in both.
+        """
+        if not st.solo[plane]:
+            return False
+        return k - st.solo[plane][-1][0] <= self.config.solo_fresh_decisions
+
+    def _request_check(self, st, src, plane, k) -> None:
+        # At most one diagnostic stage per probe_every decisions, unless a
+        # plane's rate stepped since the last one (new information).
+        regime = self.estimator.regime_changes(src)
+        if k - st.last_check_k < self.config.probe_every and regime == st.regime_at_check:
+            return
+        st.pending_check = plane
+        st.regime_at_check = regime
+
+    def _resolve_check(self, st, src, plane, latency, k) -> None:
+        """The solo record is fresh now: judge the joint stages that raised the doubt."""
+        ratio = self._joint_over_solo(st, plane, latency)
+        if ratio is not None and ratio > 1 - self.config.min_gain and len(st.joint) >= 2:
+            self._drop(st, src, keep=plane, k=k, evidence={"joint_over_solo": ratio})
+
+    def _resolve_probe(self, st, src, info, nbytes, duration, latency, k) -> None:
+        cfg = self.config
+        keep = next((p for p in PLANES if p not in st.dropped), None)
+        t_solo = self._solo_time(st, keep, nbytes, latency) if keep else None
+        if t_solo is None or duration < t_solo * (1 - cfg.readd_margin):
+            st.dropped.clear()
+            st.joint.clear()
+            st.probe_interval = 0
+            st.next_probe_k = math.inf
+            st.readds += 1
+            self._events.append({"decision": k, "rank": src, "event": "readd", "plane": info["plane"],
+                                 "probe_s": duration, "solo_s": t_solo})
+            return
+        if t_solo is not None and duration > t_solo * (1 + cfg.harm_margin):
+            # Still harmful: probe less often. A neutral probe (too small a
+            # share to show a gain, e.g. from a stale estimate) keeps the pace;
+            # its chunks refreshed the estimate for the next one.
+            st.probe_interval = min(st.probe_interval * 2, cfg.probe_every * cfg.probe_backoff_max)
+        st.next_probe_k = k + st.probe_interval
+
+    def _drop(self, st, src, keep, k, evidence) -> None:
+        cfg = self.config
+        st.dropped = {p for p in PLANES if p != keep}
+        st.drops += 1
+        st.pending_check = None
+        st.joint.clear()
+        st.probe_interval = cfg.probe_every
+        st.next_probe_k = k + cfg.probe_every
+        forced = 0.0 if keep == "up" else 1.0
+        for key in list(self._shares):
+            if key[0] == src:
+                self._shares[key] = forced
+        self._events.append({"decision": k, "rank": src, "event": "drop", "planes": sorted(st.dropped),
+                             "keep": keep, **evidence})
+
+    # ------------------------------------------------------------ estimates I/O
+    def export_estimates(self, now: Optional[float] = None) -> bytes:
+        """This rank's measured estimates, to piggyback on its chunks (13 B per plane and peer)."""
+        entries = self.estimator.local_entries(self.rank, now)
+        st = self._states.get(self.rank)
+        flags = 0
+        for i, plane in enumerate(PLANES):
+            if st is not None and plane in st.dropped:
+                flags |= 1 << i
+        body = b"".join(_ENTRY.pack(PLANES.index(p), peer, rate, lat)
+                        for (p, peer), (rate, lat) in sorted(entries.items()))
+        blob = bytes([_BLOB_VERSION]) + _HDR.pack(flags, 0, len(entries)) + body
+        if self.config.decide_from_exported_view:
+            self.merge_estimates(self.rank, blob)
+        return blob
+
+    def merge_estimates(self, rank: int, blob: bytes) -> None:
+        """Another rank's exported estimates; they replace what we had for it."""
+        if not blob or blob[0] != _BLOB_VERSION:
+            raise ValueError(f"estimate blob from rank {rank}: unknown version")
+        try:
+            flags, _, count = _HDR.unpack_from(blob, 1)
+            off = 1 + _HDR.size
+            if len(blob) != off + count * _ENTRY.size:
+                raise ValueError("length does not match entry count")
+            entries = {}
+            for i in range(count):
+                plane_idx, peer, rate, lat = _ENTRY.unpack_from(blob, off + i * _ENTRY.size)
+                if plane_idx >= len(PLANES) or not rate > 0 or not lat >= 0:
+                    raise ValueError(f"bad entry {i}")
+                entries[(PLANES[plane_idx], peer)] = (float(rate), float(lat))
+        except struct.error as exc:
+            raise ValueError(f"estimate blob from rank {rank}: {exc}") from None
+        self.estimator.set_remote(rank, entries)
+        self._remote_dropped[rank] = {p for i, p in enumerate(PLANES) if flags & (1 << i)}
+
+    # --------------------------------------------------------------- telemetry
+    def plane_costs(self, now: Optional[float] = None, src: Optional[int] = None) -> dict[str, PathModel]:
+        """Latency and rate per plane of one rank, for the tuner's cost model."""
+        s = self.rank if src is None else src
+        view = self.estimator.view(now)
+        return {p: PathModel(view.plane(s, p).rate_Bps, view.plane(s, p).latency_s) for p in PLANES}
+
+    def snapshot(self) -> dict:
+        return {
+            "rank": self.rank,
+            "decisions": self._k,
+            "config": asdict(self.config),
+            "estimates": self.estimator.snapshot(),
+            "ranks": {str(s): st.to_json() for s, st in sorted(self._states.items())},
+            "remote_dropped": {str(s): sorted(d) for s, d in sorted(self._remote_dropped.items())},
+            "shares": {f"{s}->{d}@2^{c}": v for (s, d, c), v in self._shares.items()},
+            "events": list(self._events),
+            "last_decision": self._last_reason,
+        }
+
+
+# ---------------------------------------------------------------------- helpers
+def _median_rate(q) -> float:
+    return statistics.median(entry[1] for entry in q)
+
+
+def _validate(flows: Sequence[FlowDemand]) -> None:
+    seen = set()
+    for f in flows:
+        if f.flow_id in seen:
+            raise ValueError(f"flow id {f.flow_id} appears twice in one stage")
+        seen.add(f.flow_id)
+        if f.nbytes < 0:
+            raise ValueError(f"flow {f.flow_id}: negative size")
+        if not f.planes or any(p not in PLANES for p in f.planes):
+            raise ValueError(f"flow {f.flow_id}: planes must be a non-empty subset of {PLANES}, got {f.planes}")
+
+
+def _judgeable(flows: Sequence[FlowDemand], min_bytes: int) -> bool:
+    """A rank's stage says something about a second plane only if one plane could carry it all."""
+    return bool(flows) and all(qos.is_borrowable(f) for f in flows) and sum(f.nbytes for f in flows) >= min_bytes
+
+
+def _path_model(view: EstimateView, src: int, plane: str, peer: int) -> PathModel:
+    est = view.path(src, plane, peer)
+    return PathModel(est.rate_Bps, est.latency_s)
+
+
+def _models(ports: Mapping[int, Mapping[str, PathEstimate]]) -> dict[int, dict[str, PathModel]]:
+    return {s: {p: PathModel(e.rate_Bps, e.latency_s) for p, e in pe.items()} for s, pe in ports.items()}
+
+
+def _aligned_up_bytes(nbytes: int, out: float, cap: int, align: int) -> int:
+    """Boundary between the 'up' prefix and the 'out' suffix, on an ``align`` multiple.
+
+    Rounded to the nearest multiple, then pushed up far enough that 'out'
+    never exceeds its cap; the flow's end is the only unaligned boundary.
+    """
+    if nbytes <= 0:
+        return 0
+    up = nbytes - max(0.0, min(float(nbytes), out))
+    up_aligned = int(round(up / align)) * align
+    min_up = nbytes - cap
+    if up_aligned < min_up:
+        up_aligned = -(-min_up // align) * align
+    return max(0, min(nbytes, up_aligned))

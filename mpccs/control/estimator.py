@@ -1,0 +1,373 @@
+"""Rate and delay of each (sending rank, plane, peer), from chunk completions only.
+
+Hardware offload hides acknowledgements, so the only signals are the ones a
+window sees: when a chunk was posted and when its completion was reported.
+From those, BBR style:
+
+* delivered rate ``B``: windowed max of rate samples. A chunk's sample is
+  ``nbytes / (t_done - max(t_post, previous completion on the same plane))``,
+  the max(send elapsed, ack elapsed) rule: while the plane is busy the gap
+  between two completions is the time the link needed for this chunk; after
+  an idle gap the elapsed time also holds the path delay, so the sample is
+  only a lower bound. While a path has only such samples (every part fits
+  in one chunk), ``a`` and ``B`` come from a line through (size, latency),
+  or from the prior delay when the sizes are too alike. Full samples
+  are summed into rounds of a few chunks (bytes / elapsed over the round,
+  as a BBR delivery-rate sample spans many ACKs) and the max filter runs
+  over rounds: a max over single noisy chunks would overestimate every
+  plane by the full noise amplitude (+10 % here), a max over 4-chunk
+  rounds by about half of it.
+* fixed delay ``a``: windowed min of ``latency - nbytes / B``, the part of a
+  chunk's completion latency that is not serialisation. ``R``, the base
+  delay, is the windowed min of the raw completion latency (``a`` plus one
+  chunk's serialisation) and sizes the window. Only chunks posted to an idle
+  plane give clean delay samples: a chunk posted behind others also waits
+  for them, and a min over queued chunks grows the window, which queues
+  more (a feedback loop). Queued samples are used only while no clean one
+  is known.
+* window = ceil(g * B * R / chunk) * chunk, at least two chunks, so a plane
+  always has a chunk on the wire while the previous one completes.
+
+Samples are forgotten by count (ring buffers) and by age. A max filter only
+learns increases quickly, so a step down is detected explicitly: when the
+latest round sits below ``drop_ratio`` of the older rounds' max, the older
+rounds are discarded. ``drop_ratio`` (0.75) is below the worst ratio two
+honest rounds reach under +-10 % noise (0.9 / 1.1 = 0.82).
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Optional
+
+PLANES = ("up", "out")
+
+# Rates and delays below these are treated as "nothing measured" (a clock that
+# did not move, a zero-byte chunk) rather than as a plane of zero capacity.
+_MIN_ELAPSED_S = 1e-12
+
+
+@dataclass(frozen=True)
+class PathEstimate:
+    """What the controller believes about one path (or one plane of a rank)."""
+
+    rate_Bps: float        # B: delivered bytes per second
+    latency_s: float       # a: fixed delay before the first byte lands
+    base_delay_s: float    # R: min chunk completion latency (a + one chunk's serialisation)
+    samples: int           # rate samples behind the estimate (0: prior)
+    measured: bool         # False when it is the configured prior
+
+    @property
+    def bdp_bytes(self) -> float:
+        return self.rate_Bps * self.base_delay_s
+
+    def to_json(self) -> dict:
+        return {
+            "rate_Bps": self.rate_Bps,
+            "latency_s": self.latency_s,
+            "base_delay_s": self.base_delay_s,
+            "samples": self.samples,
+            "measured": self.measured,
+        }
+
+
+def window_bytes(rate_Bps: float, base_delay_s: float, chunk_bytes: int, gain: float) -> int:
+    """ceil(g * B * R / chunk) * chunk, floor of two chunks."""
+    chunk = max(1, int(chunk_bytes))
+    chunks = math.ceil(gain * rate_Bps * base_delay_s / chunk) if rate_Bps > 0 else 0
+    return max(2, chunks) * chunk
+
+
+class PathEstimator:
+    """Windowed max of delivered rate and windowed min of delay, for one path."""
+
+    def __init__(self, max_samples: int = 32, max_age_s: float = 2.0,
+                 drop_ratio: float = 0.75, drop_samples: int = 4, round_samples: int = 4,
+                 prior_latency_s: float = 0.0):
+        self.round_samples = max(1, round_samples)
+        self.prior_latency_s = prior_latency_s
+        # Rounds of round_samples full-rate chunk samples: (t_done, bytes / elapsed).
+        self._rounds: deque = deque(maxlen=max(2, max_samples // self.round_samples))
+        self._pending = [0, 0.0, 0, 0.0]          # bytes, elapsed, samples, t_done of the open round
+        # (t_done, latency, nbytes): chunks posted to an idle plane, and all chunks
+        self._clean_delays: deque = deque(maxlen=max_samples)
+        self._delays: deque = deque(maxlen=max_samples)
+        self.max_age_s = max_age_s
+        self.drop_ratio = drop_ratio
+        self.drop_rounds = max(1, -(-drop_samples // self.round_samples))
+        self.step_downs = 0
+        self.step_ups = 0
+        self._version = 0
+        self._cache = None
+
+    def add(self, nbytes: int, t_post: float, t_done: float, prev_done: Optional[float]) -> None:
+        latency = t_done - t_post
+        if nbytes <= 0 or latency <= _MIN_ELAPSED_S:
+            return
+        self._version += 1
+        idle_start = prev_done is None or t_post >= prev_done
+        self._delays.append((t_done, latency, nbytes))
+        if idle_start:
+            self._clean_delays.append((t_done, latency, nbytes))
+        start = t_post if prev_done is None else max(t_post, prev_done)
+        elapsed = t_done - start
+        if elapsed <= _MIN_ELAPSED_S:
+            return  # completions reported out of order: no rate information
+        if idle_start:
+            return  # a lower bound only: it also holds the path delay (see _idle_only_model)
+        p = self._pending
+        p[0] += nbytes
+        p[1] += elapsed
+        p[2] += 1
+        p[3] = t_done
+        if p[2] >= self.round_samples:
+            # One round: completed bytes over elapsed across several chunks, so
+            # per-chunk noise averages out before the max filter sees it.
+            self._rounds.append((t_done, p[0] / p[1]))
+            self._pending = [0, 0.0, 0, 0.0]
+            self._forget_after_step_down()
+
+    def _forget_after_step_down(self) -> None:
+        rounds = list(self._rounds)
+        if len(rounds) <= self.drop_rounds:
+            return
+        older_max = max(r for _, r in rounds[:-self.drop_rounds])
+        recent_max = max(r for _, r in rounds[-self.drop_rounds:])
+        if recent_max < self.drop_ratio * older_max:
+            self._rounds.clear()
+            self._rounds.extend(rounds[-self.drop_rounds:])
+            self.step_downs += 1
+        elif recent_max * self.drop_ratio > older_max:
+            self.step_ups += 1  # the max filter follows by itself; counted as a regime change
+
+    @property
+    def regime_changes(self) -> int:
+        return self.step_downs + self.step_ups
+
+    def _fresh(self, samples: Iterable, now: Optional[float]):
+        if now is None:
+            return list(samples)
+        return [s for s in samples if now - s[0] <= self.max_age_s]
+
+    def _full_rate(self, now: Optional[float]) -> Optional[float]:
+        rounds = self._fresh(self._rounds, now)
+        if rounds:
+            return max(r for _, r in rounds)
+        p = self._pending
+        if p[2] and (now is None or now - p[3] <= self.max_age_s):
+            return p[0] / p[1]  # not a full round yet
+        return None
+
+    def _idle_only_model(self, now: Optional[float]) -> Optional[tuple[float, float]]:
+        """(rate, fixed delay) when every chunk started an idle plane.
+
+        Then each completion latency is ``a + n / B`` and no sample isolates
+        ``B``: taking ``n / latency`` as the rate and ``min(latency - n / B)``
+        as the delay gives a slow plane with no delay, which invites small
+        parts that each pay the real delay. With sizes at least 2x apart a
+        least-squares line through (n, latency) separates the two; otherwise
+        the configured prior delay is assumed.
+        """
+        fresh = self._fresh(self._clean_delays, now)
+        if not fresh:
+            return None
+        sizes = [n for _, _, n in fresh]
+        if max(sizes) >= 2 * min(sizes):
+            m = len(fresh)
+            mean_n = sum(sizes) / m
+            mean_l = sum(lat for _, lat, _ in fresh) / m
+            var = sum((n - mean_n) ** 2 for n in sizes)
+            slope = sum((n - mean_n) * (lat - mean_l) for _, lat, n in fresh) / var
+            a = mean_l - slope * mean_n
+            if slope > 0 and a >= 0:
+                return 1.0 / slope, a
+        a = self.prior_latency_s
+        rate = max(n / max(lat - a, 0.1 * lat) for _, lat, n in fresh)
+        return rate, min(a, min(lat for _, lat, _ in fresh))
+
+    def rate(self, now: Optional[float] = None) -> Optional[float]:
+        full = self._full_rate(now)
+        if full is not None:
+            return full
+        model = self._idle_only_model(now)
+        return model[0] if model else None
+
+    def samples(self, now: Optional[float] = None) -> int:
+        full = len(self._fresh(self._rounds, now)) * self.round_samples + self._pending[2]
+        return full or len(self._fresh(self._clean_delays, now))
+
+    def _delay_samples(self, now: Optional[float]):
+        return self._fresh(self._clean_delays, now) or self._fresh(self._delays, now)
+
+    def base_delay(self, now: Optional[float] = None) -> Optional[float]:
+        return min((s[1] for s in self._delay_samples(now)), default=None)
+
+    def latency(self, rate_Bps: float, now: Optional[float] = None) -> Optional[float]:
+        """min(latency - nbytes / B): the fixed delay, serialisation removed."""
+        if self._full_rate(now) is None:
+            model = self._idle_only_model(now)
+            return model[1] if model else None
+        fresh = self._delay_samples(now)
+        if not fresh or rate_Bps <= 0:
+            return None
+        return max(0.0, min(lat - n / rate_Bps for _, lat, n in fresh))
+
+    def estimate(self, now: Optional[float] = None) -> Optional[PathEstimate]:
+        # Cached until a sample arrives or the oldest one ages out.
+        cached = self._cache
+        if cached is not None and cached[0] == self._version and now is not None and now < cached[1]:
+            return cached[2]
+        est = self._compute(now)
+        if now is not None:
+            times = [s[0] for q in (self._rounds, self._clean_delays, self._delays) for s in q]
+            if self._pending[2]:
+                times.append(self._pending[3])
+            oldest = min((t for t in times if now - t <= self.max_age_s), default=math.inf)
+            self._cache = (self._version, oldest + self.max_age_s, est)
+        return est
+
+    def _compute(self, now: Optional[float]) -> Optional[PathEstimate]:
+        rate = self.rate(now)
+        base = self.base_delay(now)
+        if rate is None or base is None:
+            return None
+        lat = self.latency(rate, now)
+        return PathEstimate(rate, lat if lat is not None else 0.0, base, self.samples(now), True)
+
+
+class Estimator:
+    """All paths a controller knows about: measured here, merged from peers, or prior.
+
+    Keyed by (src, plane, peer): ``src`` is the sending rank. A controller
+    embedded in one rank only measures its own sends; the other ranks'
+    estimates arrive as blobs (``set_remote``) and take precedence for that
+    rank, so every rank decides from the same numbers.
+    """
+
+    def __init__(self, prior_rate_Bps: Mapping[str, float], prior_latency_s: Mapping[str, float],
+                 max_samples: int = 32, max_age_s: float = 2.0,
+                 drop_ratio: float = 0.75, drop_samples: int = 4, round_samples: int = 4):
+        self.prior_rate_Bps = dict(prior_rate_Bps)
+        self.prior_latency_s = dict(prior_latency_s)
+        self._params = (max_samples, max_age_s, drop_ratio, drop_samples, round_samples)
+        self._paths: dict[int, dict[tuple[str, int], PathEstimator]] = {}   # src -> (plane, peer) -> path
+        self._last_done: dict[tuple[int, str], float] = {}
+        self._remote: dict[int, dict[tuple[str, int], tuple[float, float]]] = {}
+
+    # -- observations ---------------------------------------------------
+    def observe(self, src: int, plane: str, peer: int, nbytes: int, t_post: float, t_done: float) -> None:
+        if plane not in PLANES:
+            raise ValueError(f"unknown plane {plane!r}")
+        paths = self._paths.setdefault(src, {})
+        path = paths.get((plane, peer))
+        if path is None:
+            path = paths[(plane, peer)] = PathEstimator(*self._params,
+                                                        prior_latency_s=float(self.prior_latency_s[plane]))
+        prev = self._last_done.get((src, plane))
+        path.add(nbytes, t_post, t_done, prev)
+        self._last_done[(src, plane)] = t_done if prev is None else max(prev, t_done)
+
+    def set_remote(self, src: int, entries: Mapping[tuple[str, int], tuple[float, float]]) -> None:
+        """Estimates of rank ``src`` as it exported them: (plane, peer) -> (rate, latency)."""
+        self._remote[src] = dict(entries)
+
+    # -- queries -----------------------------------------------------------
+    def prior(self, plane: str, chunk_bytes: int = 0) -> PathEstimate:
+        rate = float(self.prior_rate_Bps[plane])
+        lat = float(self.prior_latency_s[plane])
+        return PathEstimate(rate, lat, lat + chunk_bytes / rate, 0, False)
+
+    def measured(self, src: int, now: Optional[float] = None,
+                 chunk_bytes: int = 0) -> dict[tuple[str, int], PathEstimate]:
+        """Every measured (plane, peer) of ``src``: remote view if any, else local."""
+        if src in self._remote:
+            return {k: PathEstimate(rate, lat, lat + chunk_bytes / rate, 1, True)
+                    for k, (rate, lat) in self._remote[src].items()}
+        out = {}
+        for key, path in self._paths.get(src, {}).items():
+            est = path.estimate(now)
+            if est is not None:
+                out[key] = est
+        return out
+
+    def view(self, now: Optional[float] = None, chunk_bytes: int = 0) -> "EstimateView":
+        """Estimates frozen at ``now``, computed once per rank (one decision's worth)."""
+        return EstimateView(self, now, chunk_bytes)
+
+    def plane(self, src: int, plane: str, now: Optional[float] = None, chunk_bytes: int = 0) -> PathEstimate:
+        """The plane's port at ``src``: best rate and smallest delay over its peers, else prior."""
+        return self.view(now, chunk_bytes).plane(src, plane)
+
+    def path(self, src: int, plane: str, peer: int, now: Optional[float] = None,
+             chunk_bytes: int = 0) -> PathEstimate:
+        """One path; a peer never measured inherits its plane's port estimate."""
+        return self.view(now, chunk_bytes).path(src, plane, peer)
+
+    def local_entries(self, src: int, now: Optional[float] = None) -> dict[tuple[str, int], tuple[float, float]]:
+        """What ``src`` measured itself, for export: (plane, peer) -> (rate, latency)."""
+        out = {}
+        for key, path in self._paths.get(src, {}).items():
+            est = path.estimate(now)
+            if est is not None:
+                out[key] = (est.rate_Bps, est.latency_s)
+        return out
+
+    def srcs(self) -> set[int]:
+        return set(self._paths) | set(self._remote)
+
+    def step_downs(self, src: int, plane: str) -> int:
+        return sum(p.step_downs for (pl, _), p in self._paths.get(src, {}).items() if pl == plane)
+
+    def regime_changes(self, src: int) -> int:
+        """Step changes (down or up) seen on any plane of ``src``."""
+        return sum(p.regime_changes for p in self._paths.get(src, {}).values())
+
+    def snapshot(self, now: Optional[float] = None) -> dict:
+        out: dict = {}
+        for src in sorted(self.srcs()):
+            view = "remote" if src in self._remote else "local"
+            out[str(src)] = {
+                "view": view,
+                "paths": {f"{p}:{peer}": e.to_json() for (p, peer), e in sorted(self.measured(src, now).items())},
+            }
+        return out
+
+
+class EstimateView:
+    """Per-rank estimates computed once, for the many lookups of one decision."""
+
+    def __init__(self, estimator: Estimator, now: Optional[float], chunk_bytes: int):
+        self._est = estimator
+        self.now = now
+        self.chunk_bytes = chunk_bytes
+        self._measured: dict[int, dict[tuple[str, int], PathEstimate]] = {}
+        self._planes: dict[tuple[int, str], PathEstimate] = {}
+
+    def measured(self, src: int) -> dict[tuple[str, int], PathEstimate]:
+        got = self._measured.get(src)
+        if got is None:
+            got = self._measured[src] = self._est.measured(src, self.now, self.chunk_bytes)
+        return got
+
+    def plane(self, src: int, plane: str) -> PathEstimate:
+        key = (src, plane)
+        got = self._planes.get(key)
+        if got is None:
+            ests = [e for (p, _), e in self.measured(src).items() if p == plane]
+            if not ests:
+                got = self._est.prior(plane, self.chunk_bytes)
+            else:
+                got = PathEstimate(
+                    max(e.rate_Bps for e in ests),
+                    min(e.latency_s for e in ests),
+                    min(e.base_delay_s for e in ests),
+                    sum(e.samples for e in ests),
+                    True,
+                )
+            self._planes[key] = got
+        return got
+
+    def path(self, src: int, plane: str, peer: int) -> PathEstimate:
+        est = self.measured(src).get((plane, peer))
+        return est if est is not None else self.plane(src, plane)
