@@ -1,8 +1,10 @@
 """The Communicator: validates arguments, picks a plan, runs it, returns Work."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+from dataclasses import dataclass
 import os
 import time
 from collections import OrderedDict
@@ -20,9 +22,30 @@ from .errors import CommunicatorAborted, ConfigError, MismatchError, MpccsError,
 from .reduce import finish_avg
 from .telemetry import Telemetry
 from .transports.plane import Plane
+from .control.split import PathModel
 from .windows import OUT, UP
 
 DEFAULT_WINDOW_BYTES = {UP: 4 << 20, OUT: 4 << 20}
+DEFAULT_CHUNK_BYTES = 1 << 20
+# What the tuner assumes a reduction costs (bytes of output per second). A
+# prior, identical on every rank: plans must not depend on local measurements.
+REDUCE_BPS_PRIOR = 5e9
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    schedule: "algorithms.Schedule"
+    chunk_bytes: int
+    single_plane: bool  # the tuner found a second plane does not pay at this size
+
+
+def _parse_tune(text):
+    from .control.tuner import parse_tune
+
+    try:
+        return parse_tune(text)
+    except ValueError as exc:
+        raise ConfigError(f"MPCCS_TUNE: {exc}") from None
 
 
 class Work:
@@ -67,6 +90,9 @@ class Communicator:
         self.domain = self.domains[self.rank]
         self.local_rank = boot.local_rank if boot.local_rank is not None else self._derive_local_rank()
         self.topology = Topology(tuple(_domain_ids(self.domains)))
+        self._tune = _parse_tune(options.tune)
+        if self._tune.multipath is False:
+            self.options = options = dataclasses.replace(options, multipath=False, path_policy="up")
         self._planes = self._open_planes(options)
         self._engine = Engine(self.rank, comm_id, self._planes, controller=self._make_controller())
         self._telemetry = Telemetry(options.trace, self.rank)
@@ -115,11 +141,11 @@ class Communicator:
         return planes
 
     def _make_controller(self):
-        try:
-            from .control import ControlConfig, PathController
-        except ImportError:
-            return None
-        return PathController(ControlConfig(out_cap_share=self.options.out_cap_share))
+        from .control import ControlConfig, PathController
+
+        config = ControlConfig(out_cap_share=self.options.out_cap_share)
+        self._prior_costs = {p: PathModel(config.prior_rate_Bps[p], config.prior_delay_s[p]) for p in ("up", "out")}
+        return PathController(config, rank=self.rank)
 
     # -- public attributes -------------------------------------------------
     @property
@@ -190,8 +216,11 @@ class Communicator:
         self.close()
 
     # -- running operations -------------------------------------------------
-    def _splitter(self) -> Splitter:
-        return Splitter(self._policy, self._planes, DEFAULT_WINDOW_BYTES, self._engine.controller)
+    def _splitter(self, single_plane: bool = False) -> Splitter:
+        policy = self._policy
+        if single_plane and policy == "adaptive":
+            policy = "up"  # the tuner found a second plane does not pay at this size
+        return Splitter(policy, self._planes, DEFAULT_WINDOW_BYTES, self._engine.controller)
 
     def _submit(self, op: Operation, result, async_op: bool):
         op.on_finish.append(self._record)
@@ -240,7 +269,8 @@ class Communicator:
         view = arrays.check_bytes(buf, "buf")
         seq = self._send_seq.get(dst, 0) + 1
         self._send_seq[dst] = seq
-        return self._submit(SendOp(self._engine, seq, view, dst, self._splitter(), self.options.chunk_bytes), None, True)
+        chunk = self.options.chunk_bytes or DEFAULT_CHUNK_BYTES
+        return self._submit(SendOp(self._engine, seq, view, dst, self._splitter(), chunk), None, True)
 
     def irecv(self, buf, src: int) -> Work:
         self._check_usable()
@@ -248,7 +278,7 @@ class Communicator:
         view = arrays.check_bytes(buf, "buf", writable=True)
         seq = self._recv_seq.get(src, 0) + 1
         self._recv_seq[src] = seq
-        return self._submit(RecvOp(self._engine, seq, view, src, self.options.chunk_bytes), buf, True)
+        return self._submit(RecvOp(self._engine, seq, view, src, self.options.chunk_bytes or DEFAULT_CHUNK_BYTES), buf, True)
 
     def send(self, buf, dst: int) -> None:
         self.isend(buf, dst).wait()
@@ -257,34 +287,44 @@ class Communicator:
         return self.irecv(buf, src).wait()
 
     # -- collectives ---------------------------------------------------------
-    def _schedule(self, collective: str, count: int, nbytes: int, root=None, **extra):
-        algorithm = extra.pop("algorithm", None) or self._default_algorithm(collective, nbytes)
+    def _schedule(self, collective: str, count: int, nbytes: int, root=None, algorithm=None, **extra) -> "CallPlan":
+        """The schedule and plan of one call: MPCCS_TUNE, else the tuner (deterministic: the same on every rank)."""
+        choice = self._choose(collective, nbytes)
+        algorithm = algorithm or choice.algorithm
         if algorithm not in algorithms.ALGORITHMS[collective]:
-            raise ValueError(f"unknown algorithm {algorithm!r} for {collective}; valid: {', '.join(algorithms.ALGORITHMS[collective])}")
-        key = (collective, count, algorithm, root, tuple(sorted((k, _hashable(v)) for k, v in extra.items())))
+            raise ValueError(f"unknown algorithm {algorithm!r} for {collective}; "
+                             f"valid: {', '.join(algorithms.ALGORITHMS[collective])}")
+        channels = choice.channels if algorithm == choice.algorithm else 1
+        key = (collective, count, algorithm, channels, root, tuple(sorted((k, _hashable(v)) for k, v in extra.items())))
         schedule = self._schedules.get(key)
         if schedule is None:
-            schedule = algorithms.build_schedule(collective, self.size, count, algorithm=algorithm, topology=self.topology,
-                                      root=root or 0, **extra)
+            schedule = algorithms.build_schedule(collective, self.size, count, algorithm=algorithm,
+                                                 topology=self.topology, channels=channels, root=root or 0, **extra)
             self._schedules[key] = schedule
             if len(self._schedules) > 256:
                 self._schedules.popitem(last=False)
         else:
             self._schedules.move_to_end(key)
-        return schedule
+        return CallPlan(schedule, self.options.chunk_bytes or choice.chunk_bytes, choice.split_policy == "single")
 
-    @functools.lru_cache(maxsize=512)
-    def _default_algorithm(self, collective: str, nbytes: int) -> str:
-        return algorithms.default_algorithm(collective, self.size, nbytes, self.topology)
+    @functools.lru_cache(maxsize=1024)
+    def _choose(self, collective: str, nbytes: int):
+        """Tuner choice from the configured priors only, so every rank picks the same plan."""
+        from .control.tuner import choose
 
-    def _run(self, name, schedule, buffers, dtype, op, result, async_op, finalize=None):
+        return choose(collective, self.size, nbytes, self.topology, self._prior_costs, override=self._tune,
+                      reduce_Bps=REDUCE_BPS_PRIOR)
+
+    def _run(self, name, plan: "CallPlan", buffers, dtype, op, result, async_op, finalize=None):
         self._check_usable()
+        schedule = plan.schedule
         fp = None
         if self.options.fingerprint:
             count = None if name == "all_to_allv" else schedule.count
-            fp = fingerprint.make(name, op, dtype, schedule.algorithm, schedule.root, self.options.chunk_bytes, count)
-        cop = CollectiveOp(self._engine, self._next_seq(), schedule, buffers, dtype, op, self._splitter(),
-                           self.options.chunk_bytes, name, finalize, fp)
+            fp = fingerprint.make(name, op, dtype, schedule.algorithm, schedule.root, plan.chunk_bytes, count)
+        splitter = self._splitter(single_plane=plan.single_plane)
+        cop = CollectiveOp(self._engine, self._next_seq(), schedule, buffers, dtype, op, splitter,
+                           plan.chunk_bytes, name, finalize, fp)
         return self._submit(cop, result, async_op)
 
     def _avg(self, op, buf):
@@ -346,8 +386,9 @@ class Communicator:
         rc = _counts(recv_counts, self.size, "recv_counts")
         arrays.check_size(s.size, sum(sc), "send (sum of send_counts)")
         arrays.check_size(r.size, sum(rc), "recv (sum of recv_counts)")
-        sched = algorithms.build_schedule("all_to_allv", self.size, 0, algorithm="pairwise", topology=self.topology,
-                               send_counts=sc, recv_counts=rc, rank=self.rank)
+        sched = CallPlan(algorithms.build_schedule("all_to_allv", self.size, 0, algorithm="pairwise",
+                                                   topology=self.topology, send_counts=sc, recv_counts=rc, rank=self.rank),
+                         self.options.chunk_bytes or DEFAULT_CHUNK_BYTES, sum(sc) * s.itemsize < (256 << 10))
         return self._run("all_to_allv", sched, {"in": s, "out": r}, s.dtype, "sum", recv, async_op)
 
     def broadcast(self, buf, root: int = 0, *, async_op: bool = False, algorithm=None):
@@ -379,7 +420,7 @@ class Communicator:
         if self.size == 1:
             return
         token = np.zeros(1, dtype=np.uint8)
-        sched = self._schedule("all_reduce", 1, 1, algorithm="rd" if "rd" in algorithms.ALGORITHMS["all_reduce"] else None)
+        sched = self._schedule("all_reduce", 1, 1, algorithm="rd")
         policy = self._policy
         self._policy = "up" if UP in self._planes else "out"  # control traffic: lowest latency, no split
         try:

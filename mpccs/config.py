@@ -107,7 +107,7 @@ class Options:
     domain: Optional[str] = None  # None: the host name
     path_policy: PathPolicy = "adaptive"
     multipath: bool = True
-    chunk_bytes: int = 1 << 20
+    chunk_bytes: Optional[int] = None  # None: the tuner picks per call
     timeout_s: float = 60.0  # no-progress timeout, not wall time
     rendezvous_timeout_s: float = 60.0
     tune: Optional[str] = None
@@ -169,7 +169,7 @@ def load_options(environ=None, **overrides) -> Options:
     if not opts.multipath:
         # MPCCS_MULTIPATH=0 is exactly the single-plane library.
         opts = replace(opts, path_policy="up")
-    if opts.chunk_bytes < 4096:
+    if opts.chunk_bytes is not None and opts.chunk_bytes < 4096:
         raise ConfigError(f"chunk_bytes={opts.chunk_bytes} is below the 4096-byte minimum")
     if not 0.0 <= opts.out_cap_share <= 1.0:
         raise ConfigError(f"out_cap_share={opts.out_cap_share} is outside [0, 1]")

@@ -75,10 +75,15 @@ class Splitter:
         out = self.planes.get(OUT)
         return (up is not None and up.reaches(peer), out is not None and out.reaches(peer))
 
-    def plan(self, flows: list[tuple[Flow, int]], now: float) -> StagePlan:
+    def plan(self, flows: list[tuple[Flow, int]], now: float, chunk_bytes: Optional[int] = None) -> StagePlan:
         """flows: (flow, nbytes) this rank sends in the stage."""
         if self.policy == "adaptive" and self.controller is not None:
-            return self._adaptive(flows, now)
+            if sum(n for _, n in flows) >= self.controller.config.min_multipath_bytes:
+                return self._adaptive(flows, now, chunk_bytes)
+            # Too small for a second plane to pay (the controller would say the
+            # same, at the cost of a decision): the configured single plane.
+            splits = {f.id: FlowSplit(nbytes, False) for f, nbytes in flows}
+            return StagePlan(splits, dict(self.window_bytes), {"policy": "adaptive", "fallback": "small"})
         splits = {f.id: self._fixed(f, nbytes) for f, nbytes in flows}
         return StagePlan(splits, dict(self.window_bytes), {"policy": _policy_name(self.policy)})
 
@@ -94,7 +99,7 @@ class Splitter:
         # 'up', and 'adaptive' without a controller: the single-plane default.
         return FlowSplit(nbytes, False)
 
-    def _adaptive(self, flows, now) -> StagePlan:
+    def _adaptive(self, flows, now, chunk_bytes) -> StagePlan:
         from .control import FlowDemand
 
         demands = []
@@ -102,7 +107,7 @@ class Splitter:
             up_ok, out_ok = self.reach(f.dst)
             planes = tuple(p for p, ok in ((UP, up_ok), (OUT, out_ok)) if ok)
             demands.append(FlowDemand(flow_id=f.id, src=f.src, dst=f.dst, nbytes=nbytes, planes=planes))
-        decision = self.controller.decide(demands, now)
+        decision = self.controller.decide(demands, now, chunk_bytes=chunk_bytes)
         splits = {
             f.id: FlowSplit(decision.up_bytes.get(f.id, 0), decision.steal, decision.out_cap_bytes.get(f.id))
             for f, _ in flows
@@ -390,7 +395,7 @@ class CollectiveOp(Operation):
         outs = []
         if mine_out:
             sized = [(f, f.count * self.itemsize) for f in mine_out]
-            plan = self.splitter.plan(sized, now)
+            plan = self.splitter.plan(sized, now, self.plan_chunk_elems * self.itemsize)
             self.window = plan.window_bytes
             for f in mine_out:
                 view = self.buffers[f.src_buf][f.src_off : f.src_off + f.count]
