@@ -1,0 +1,5 @@
+import sys
+
+from mpccs.testbed.cli import main
+
+sys.exit(main())
