@@ -20,6 +20,7 @@ every path policy.
 from __future__ import annotations
 
 import os
+import select
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -37,6 +38,8 @@ from .windows import OUT, UP, FlowCursor, boundary_for, chunk_count, chunk_range
 MIN_CHUNK_BYTES = 64 << 10
 ABORT_REASON_MAX = 1024
 IDLE_SPINS_BEFORE_YIELD = 16
+IDLE_SPINS_BEFORE_SLEEP = 256  # then block on the planes' event fds ...
+IDLE_SLEEP_S = 0.001  # ... for at most this long (bounds the cost of a missed wake-up)
 ABORT_POLL_AFTER_S = 0.005  # look for peers' aborts only once an operation stalls this long
 
 
@@ -788,6 +791,7 @@ class Engine:
         self._scratch: dict[int, list[np.ndarray]] = {}
         self._trash = np.empty(1 << 20, dtype=np.uint8)
         self._abort_sends: list = []
+        self._poller = None
 
     def planes_to(self, peer: int) -> list:
         return [p for p in self.planes.values() if p.reaches(peer)]
@@ -857,6 +861,17 @@ class Engine:
             self.active.remove(op)
         return op
 
+    def sleep_until_event(self, timeout_s: float) -> None:
+        """Block until a plane has an event (or timeout); returns at once if one is pending."""
+        planes = list(self.planes.values())
+        if not all(plane.arm() for plane in planes):
+            return
+        if self._poller is None:
+            self._poller = select.poll()
+            for plane in planes:
+                self._poller.register(plane.fileno(), select.POLLIN)
+        self._poller.poll(timeout_s * 1000)
+
     def progress_planes(self) -> None:
         for plane in self.planes.values():
             plane.progress()
@@ -879,7 +894,9 @@ class Engine:
                 idle = 0
             else:
                 idle += 1
-                if idle > IDLE_SPINS_BEFORE_YIELD:
+                if idle > IDLE_SPINS_BEFORE_SLEEP:
+                    self.sleep_until_event(IDLE_SLEEP_S)
+                elif idle > IDLE_SPINS_BEFORE_YIELD:
                     # Ranks may share cores (2-core machines, oversubscribed
                     # tests): give the peer we wait for a chance to run.
                     os.sched_yield()

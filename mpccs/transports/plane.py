@@ -30,8 +30,12 @@ class Plane:
         if devices:
             config["NET_DEVICES"] = devices
         try:
-            self._context = ucx_api.UCXContext(config, feature_flags=(ucx_api.Feature.TAG,))
+            # WAKEUP lets an idle rank sleep on the worker's event fd instead of
+            # spinning: on small machines the spinning steals the cores that the
+            # kernel's tcp stack (and the peer) need.
+            self._context = ucx_api.UCXContext(config, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
             self._worker = ucx_api.UCXWorker(self._context)
+            self._worker.init_blocking_progress_mode()
         except Exception as exc:  # UCX raises its own types; name the plane
             raise TransportError(
                 f"cannot open plane {name!r} with UCX_TLS={tls!r} NET_DEVICES={devices!r}: {exc}",
@@ -84,6 +88,13 @@ class Plane:
 
     def progress(self) -> None:
         self._worker.progress()
+
+    def arm(self) -> bool:
+        """Arm the worker's event fd; False when events are pending (progress first)."""
+        return bool(self._worker.arm())
+
+    def fileno(self) -> int:
+        return self._worker.epoll_file_descriptor
 
     def cancel_all(self) -> None:
         """Cancel every request still posted on this plane (failure path)."""
