@@ -20,8 +20,22 @@ from .ucx import Array, ucx_api
 _SHM_ONLY = {"posix", "sysv", "cma", "mm", "sm", "shm", "knem", "xpmem", "self", "cuda_ipc", "cuda_copy"}
 
 
+def default_rndv_thresh(tls: str) -> str:
+    """Eager for every size on socket-only planes, UCX's choice elsewhere.
+
+    Over tcp, UCX's rendezvous costs a request/reply round trip per message
+    through the same queues the data fills; when both directions are busy (any
+    all_reduce) those replies wait behind data and a shaped link delivered
+    ~60% of its rate. Eager messages went at 91-97% (docs/design.md). Zero-copy
+    transports (shared memory, RDMA) keep UCX's rendezvous.
+    """
+    names = {t.lstrip("^").split(":")[0] for t in tls.split(",")}
+    return "inf" if names <= {"tcp", "self"} else "ucx"
+
+
 class Plane:
-    def __init__(self, name: str, tls: str, devices: Optional[str] = None, rank: int = -1):
+    def __init__(self, name: str, tls: str, devices: Optional[str] = None, rank: int = -1,
+                 rndv_thresh: Optional[str] = None):
         self.name = name
         self.tls = tls
         self.devices = devices
@@ -29,6 +43,9 @@ class Plane:
         config = {"TLS": tls}
         if devices:
             config["NET_DEVICES"] = devices
+        self.rndv_thresh = rndv_thresh or default_rndv_thresh(tls)
+        if self.rndv_thresh != "ucx":
+            config["RNDV_THRESH"] = self.rndv_thresh
         try:
             # WAKEUP lets an idle rank sleep on the worker's event fd instead of
             # spinning: on small machines the spinning steals the cores that the
