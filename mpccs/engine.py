@@ -38,6 +38,7 @@ from .windows import OUT, UP, FlowCursor, boundary_for, chunk_count, chunk_range
 MIN_CHUNK_BYTES = 64 << 10
 ABORT_REASON_MAX = 1024
 IDLE_SPINS_BEFORE_YIELD = 16
+MIN_SAMPLE_BYTES = 64 << 10  # smaller chunks measure latency and skew, not a link's rate
 IDLE_SPINS_BEFORE_SLEEP = 256  # then block on the planes' event fds ...
 IDLE_SLEEP_S = 0.001  # ... for at most this long (bounds the cost of a missed wake-up)
 ABORT_POLL_AFTER_S = 0.005  # look for peers' aborts only once an operation stalls this long
@@ -78,6 +79,11 @@ class Splitter:
         out = self.planes.get(OUT)
         return (up is not None and up.reaches(peer), out is not None and out.reaches(peer))
 
+    @property
+    def can_steal(self) -> bool:
+        """Stealing is paced by send completions; only sound where they mean delivery."""
+        return all(p.completion_means_delivery for p in self.planes.values())
+
     def plan(self, flows: list[tuple[Flow, int]], now: float, chunk_bytes: Optional[int] = None) -> StagePlan:
         """flows: (flow, nbytes) this rank sends in the stage."""
         if self.policy == "adaptive" and self.controller is not None:
@@ -111,8 +117,9 @@ class Splitter:
             planes = tuple(p for p, ok in ((UP, up_ok), (OUT, out_ok)) if ok)
             demands.append(FlowDemand(flow_id=f.id, src=f.src, dst=f.dst, nbytes=nbytes, planes=planes))
         decision = self.controller.decide(demands, now, chunk_bytes=chunk_bytes)
+        steal = decision.steal and self.can_steal
         splits = {
-            f.id: FlowSplit(decision.up_bytes.get(f.id, 0), decision.steal, decision.out_cap_bytes.get(f.id))
+            f.id: FlowSplit(decision.up_bytes.get(f.id, 0), steal, decision.out_cap_bytes.get(f.id))
             for f, _ in flows
         }
         windows = {p: max(decision.window_bytes.get(p, 0), self.window_bytes[p]) for p in self.window_bytes}
@@ -194,10 +201,35 @@ class StageRun:
     t_start: float
     t_end: Optional[float] = None
     bytes_by_plane: dict = field(default_factory=lambda: {UP: 0, OUT: 0})
+    # (plane, peer) -> [first arrival, last arrival, bytes after the first chunk]
+    arrivals: dict = field(default_factory=dict)
 
     @property
     def done(self) -> bool:
         return all(o.done for o in self.outs) and all(i.done for i in self.ins)
+
+    def note_arrival(self, plane: str, peer: int, nbytes: int, now: float) -> None:
+        record = self.arrivals.get((plane, peer))
+        if record is None:
+            self.arrivals[(plane, peer)] = [now, now, 0]
+        else:
+            record[1] = now
+            record[2] += nbytes
+
+    def rate_samples(self):
+        """One delivery-rate sample per (plane, peer) over the whole stage.
+
+        The estimator learns a link from what arrives over it: a receiver
+        sees delivered bytes whatever the protocol, while a sender's completion
+        under an eager protocol only means the socket took them. Links are
+        taken as symmetric (the rate from a peer is the rate to it), true of
+        full-duplex fabrics. The interval starts at the first arrival (before
+        it the peer may simply not have entered the stage) and spans the whole
+        stage, so bursts of chunks handled in one progress call average out.
+        """
+        for (plane, peer), (first, last, nbytes) in self.arrivals.items():
+            if nbytes and last > first:
+                yield plane, peer, nbytes, first, last
 
 
 # ---------------------------------------------------------------------------
@@ -480,6 +512,7 @@ class CollectiveOp(Operation):
         if not self.in_chunks:
             return False
         still, moved = [], False
+        controller, now = self.engine.controller, None
         for item in self.in_chunks:
             req, inflow, index, scratch, run, plane, nbytes = item
             if not req.completed:
@@ -487,6 +520,9 @@ class CollectiveOp(Operation):
                 continue
             moved = True
             self._check(req, plane, inflow.peer, run)
+            if controller is not None and nbytes >= MIN_SAMPLE_BYTES:
+                now = now or time.perf_counter()
+                run.note_arrival(plane.name, inflow.peer, nbytes, now)
             if scratch is not None:
                 offset, nelems = chunk_range(index, inflow.flow.count, inflow.chunk_elems)
                 incoming = scratch[:nbytes].view(self.dtype)
@@ -500,7 +536,6 @@ class CollectiveOp(Operation):
         if not self.out_chunks:
             return False
         still, moved = [], False
-        now = None
         for item in self.out_chunks:
             req, outflow, plane, nbytes, t_post, run = item
             if not req.completed:
@@ -510,9 +545,6 @@ class CollectiveOp(Operation):
             self._check(req, plane, outflow.peer, run)
             outflow.pending -= 1
             self.inflight[plane.name] -= nbytes
-            if self.engine.controller is not None:
-                now = now or time.perf_counter()
-                self.engine.controller.on_chunk(plane.name, outflow.peer, nbytes, t_post, now)
         self.out_chunks = still
         return moved
 
@@ -550,6 +582,9 @@ class CollectiveOp(Operation):
             run.t_end = time.perf_counter()
             self.active.remove(run)
             self._log_stage(run)
+            if self.engine.controller is not None:
+                for sample in run.rate_samples():
+                    self.engine.controller.on_chunk(*sample)
             if self.engine.controller is not None and run.plan is not None and "decision" in run.plan.reason:
                 self.engine.controller.on_stage(run.plan.reason["decision"], run.t_start, run.t_end, dict(run.bytes_by_plane))
             self._stage_complete(run.stage.id)

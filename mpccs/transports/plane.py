@@ -46,6 +46,10 @@ class Plane:
         self.rndv_thresh = rndv_thresh or default_rndv_thresh(tls)
         if self.rndv_thresh != "ucx":
             config["RNDV_THRESH"] = self.rndv_thresh
+        # Under an eager protocol a send completes when the socket took the
+        # bytes, not when the peer has them: such completions cannot pace
+        # tail stealing (the engine then keeps the planned split).
+        self.completion_means_delivery = self.rndv_thresh != "inf"
         try:
             # WAKEUP lets an idle rank sleep on the worker's event fd instead of
             # spinning: on small machines the spinning steals the cores that the
