@@ -220,7 +220,7 @@ class Communicator:
         policy = self._policy
         if single_plane and policy == "adaptive":
             policy = "up"  # the tuner found a second plane does not pay at this size
-        return Splitter(policy, self._planes, DEFAULT_WINDOW_BYTES, self._engine.controller)
+        return Splitter(policy, self._planes, DEFAULT_WINDOW_BYTES, self._engine.controller, self._engine.decisions)
 
     def _submit(self, op: Operation, result, async_op: bool):
         op.on_finish.append(self._record)

@@ -38,7 +38,9 @@ from .windows import OUT, UP, FlowCursor, boundary_for, chunk_count, chunk_range
 MIN_CHUNK_BYTES = 64 << 10
 ABORT_REASON_MAX = 1024
 IDLE_SPINS_BEFORE_YIELD = 16
-MIN_SAMPLE_BYTES = 64 << 10  # smaller chunks measure latency and skew, not a link's rate
+MIN_SAMPLE_BYTES = 64 << 10
+SHORT_STAGE_S = 0.005  # stages shorter than this reuse a controller decision ...
+REUSE_MAX = 7  # ... up to this many times before deciding afresh  # smaller chunks measure latency and skew, not a link's rate
 IDLE_SPINS_BEFORE_SLEEP = 256  # then block on the planes' event fds ...
 IDLE_SLEEP_S = 0.001  # ... for at most this long (bounds the cost of a missed wake-up)
 ABORT_POLL_AFTER_S = 0.005  # look for peers' aborts only once an operation stalls this long
@@ -59,6 +61,48 @@ class StagePlan:
     splits: dict[int, FlowSplit]  # flow id -> split
     window_bytes: dict[str, int]
     reason: dict = field(default_factory=dict)
+    cache_key: Optional[tuple] = None  # set when the split came from (or went into) the DecisionCache
+
+
+@dataclass
+class _CachedDecision:
+    splits: list  # FlowSplit per flow, in the demand's order
+    window_bytes: dict
+    reason: dict
+    uses: int = 0
+    stage_s: float = float("inf")  # realised time of the last stage that used it
+
+
+class DecisionCache:
+    """Reuses a controller decision across operations when stages are short.
+
+    A decision costs ~0.15 ms of Python; on a stage of a few milliseconds that
+    is several percent. For a demand (the same bytes to the same peers) whose
+    last stage took under SHORT_STAGE_S, the previous decision is reused up to
+    REUSE_MAX times before the controller decides (and probes, and judges)
+    again. Long stages always get a fresh decision, so convergence after a
+    change is as fast as the controller makes it where the bytes are.
+    """
+
+    def __init__(self):
+        self._entries: dict = {}
+
+    def get(self, key) -> Optional[_CachedDecision]:
+        entry = self._entries.get(key)
+        if entry is None or entry.stage_s >= SHORT_STAGE_S or entry.uses >= REUSE_MAX:
+            return None
+        entry.uses += 1
+        return entry
+
+    def put(self, key, entry: _CachedDecision) -> None:
+        if len(self._entries) > 256:
+            self._entries.clear()
+        self._entries[key] = entry
+
+    def note_stage_time(self, key, seconds: float) -> None:
+        entry = self._entries.get(key)
+        if entry is not None:
+            entry.stage_s = seconds
 
 
 class Splitter:
@@ -68,11 +112,13 @@ class Splitter:
     asks the controller (mpccs.control) when one is attached.
     """
 
-    def __init__(self, policy, planes: dict, window_bytes: dict[str, int], controller=None):
+    def __init__(self, policy, planes: dict, window_bytes: dict[str, int], controller=None,
+                 cache: Optional[DecisionCache] = None):
         self.policy = policy
         self.planes = planes
         self.window_bytes = window_bytes
         self.controller = controller
+        self.cache = cache
 
     def reach(self, peer: int) -> tuple[bool, bool]:
         up = self.planes.get(UP)
@@ -109,6 +155,19 @@ class Splitter:
         return FlowSplit(nbytes, False)
 
     def _adaptive(self, flows, now, chunk_bytes) -> StagePlan:
+        key = (tuple((f.dst, n) for f, n in flows), chunk_bytes)
+        cached = self.cache.get(key) if self.cache is not None else None
+        if cached is not None:
+            splits = {f.id: s for (f, _), s in zip(flows, cached.splits)}
+            return StagePlan(splits, cached.window_bytes, {**cached.reason, "reused": cached.uses}, key)
+        plan = self._decide(flows, now, chunk_bytes)
+        if self.cache is not None:
+            reason = {k: v for k, v in plan.reason.items() if k != "decision"}
+            self.cache.put(key, _CachedDecision([plan.splits[f.id] for f, _ in flows], plan.window_bytes, reason))
+            plan.cache_key = key
+        return plan
+
+    def _decide(self, flows, now, chunk_bytes) -> StagePlan:
         from .control import FlowDemand
 
         demands = []
@@ -216,16 +275,18 @@ class StageRun:
             record[1] = now
             record[2] += nbytes
 
-    def rate_samples(self):
-        """One delivery-rate sample per (plane, peer) over the whole stage.
+    def delivery_samples(self):
+        """One delivery sample per (plane, peer) over the whole stage.
 
-        The estimator learns a link from what arrives over it: a receiver
-        sees delivered bytes whatever the protocol, while a sender's completion
+        The estimator learns a link from what arrives over it: a receiver sees
+        delivered bytes whatever the protocol, while a sender's completion
         under an eager protocol only means the socket took them. Links are
         taken as symmetric (the rate from a peer is the rate to it), true of
         full-duplex fabrics. The interval starts at the first arrival (before
-        it the peer may simply not have entered the stage) and spans the whole
-        stage, so bursts of chunks handled in one progress call average out.
+        it the peer may not have entered the stage) and spans the stage, so
+        bursts of chunks handled in one progress call average out. The
+        estimator sees it as one chunk posted to an idle plane and fits rate
+        and delay from such samples (its idle-only model).
         """
         for (plane, peer), (first, last, nbytes) in self.arrivals.items():
             if nbytes and last > first:
@@ -352,6 +413,7 @@ class CollectiveOp(Operation):
         self.inflight = {UP: 0, OUT: 0}
         self.window = dict(splitter.window_bytes)
         self.stages_done = 0
+        self._plan_memo: dict = {}
         self._prepare()
 
     # -- setup ------------------------------------------------------------
@@ -430,7 +492,7 @@ class CollectiveOp(Operation):
         outs = []
         if mine_out:
             sized = [(f, f.count * self.itemsize) for f in mine_out]
-            plan = self.splitter.plan(sized, now, self.plan_chunk_elems * self.itemsize)
+            plan = self._plan_stage(sized, now)
             self.window = plan.window_bytes
             for f in mine_out:
                 view = self.buffers[f.src_buf][f.src_off : f.src_off + f.count]
@@ -444,6 +506,21 @@ class CollectiveOp(Operation):
             ins.append(InFlow(f, view, ce, wire.make_tag(wire.KIND_COLL, comm_id, self.seq, f.id),
                               self.engine.planes_to(f.src)))
         self.active.append(StageRun(stage, outs, ins, plan, now))
+
+    def _plan_stage(self, sized, now) -> StagePlan:
+        """The split of this rank's flows in a stage; decided once per operation
+        for each distinct demand (a ring's 2(p-1) stages send the same bytes to
+        the same peer: one controller decision serves them all, and only the
+        stage that made it reports back, so the controller judges it once)."""
+        key = tuple((f.dst, n) for f, n in sized)
+        memo = self._plan_memo.get(key)
+        if memo is None:
+            plan = self.splitter.plan(sized, now, self.plan_chunk_elems * self.itemsize)
+            self._plan_memo[key] = (plan, [plan.splits[f.id] for f, _ in sized])
+            return plan
+        first, ordered = memo
+        reason = {k: v for k, v in first.reason.items() if k != "decision"}
+        return StagePlan({f.id: s for (f, _), s in zip(sized, ordered)}, first.window_bytes, reason, first.cache_key)
 
     def _stage_complete(self, sid: int) -> None:
         self.stages_done += 1
@@ -582,8 +659,10 @@ class CollectiveOp(Operation):
             run.t_end = time.perf_counter()
             self.active.remove(run)
             self._log_stage(run)
+            if run.plan is not None and run.plan.cache_key is not None and self.splitter.cache is not None:
+                self.splitter.cache.note_stage_time(run.plan.cache_key, run.t_end - run.t_start)
             if self.engine.controller is not None:
-                for sample in run.rate_samples():
+                for sample in run.delivery_samples():
                     self.engine.controller.on_chunk(*sample)
             if self.engine.controller is not None and run.plan is not None and "decision" in run.plan.reason:
                 self.engine.controller.on_stage(run.plan.reason["decision"], run.t_start, run.t_end, dict(run.bytes_by_plane))
@@ -827,6 +906,7 @@ class Engine:
         self._trash = np.empty(1 << 20, dtype=np.uint8)
         self._abort_sends: list = []
         self._poller = None
+        self.decisions = DecisionCache()
 
     def planes_to(self, peer: int) -> list:
         return [p for p in self.planes.values() if p.reaches(peer)]

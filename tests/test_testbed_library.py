@@ -12,6 +12,10 @@ import pytest
 
 from mpccs.testbed import Cluster, TestbedUnavailable, check_available
 
+# Low enough that two ranks on 2 busy cores drive both planes at full rate at
+# once (at 2.4/1.2 gbit the CPU, not the links, was the limit under load), so
+# what the controller sees is the links.
+UP_RATE, OUT_RATE = "1gbit", "500mbit"
 JOB = os.path.join(os.path.dirname(__file__), "programs", "testbed_job.py")
 
 try:
@@ -35,7 +39,7 @@ def tx(counters_before, counters_after, rank, plane) -> int:
 
 @pytest.fixture(scope="module")
 def tcp_cluster():
-    with Cluster(n=2, up="tcp", up_rate="2.4gbit", out_rate="1.2gbit", log=lambda m: None) as cluster:
+    with Cluster(n=2, up="tcp", up_rate=UP_RATE, out_rate=OUT_RATE, log=lambda m: None) as cluster:
         yield cluster
 
 
@@ -61,19 +65,19 @@ def test_kernel_counters_match_bytes_per_plane(tcp_cluster, policy):
 
 
 def test_adaptive_finds_the_rate_ratio_and_beats_up(tcp_cluster):
-    run = tcp_cluster.run([sys.executable, JOB, "adaptive", str(64 << 20), "8"], timeout=300,
+    run = tcp_cluster.run([sys.executable, JOB, "adaptive", str(32 << 20), "8"], timeout=300,
                           stream=open(os.devnull, "w"))
     assert run.exit_code == 0, "\n".join(run.output[0] + run.output[1])
     res = result_of(run)
     # the controller re-probes now and then: judge the settled median, not every operation
     settled = statistics.median(res["share"][-4:])
-    expected = 2.4 / (2.4 + 1.2)
+    expected = 2 / 3  # UP_RATE : OUT_RATE = 2 : 1
     assert abs(settled - expected) <= 0.10, res["share"]
     assert statistics.median(res["adaptive"]) < statistics.median(res["up"]), res
 
 
 def test_shared_bottleneck_ends_on_one_plane():
-    with Cluster(n=2, up="tcp", up_rate="2.4gbit", out_rate="1.2gbit", shared_bottleneck=True,
+    with Cluster(n=2, up="tcp", up_rate=UP_RATE, out_rate=OUT_RATE, shared_bottleneck=True,
                  log=lambda m: None) as cluster:
         run = cluster.run([sys.executable, JOB, "adaptive", str(32 << 20), "10"], timeout=300,
                           stream=open(os.devnull, "w"))

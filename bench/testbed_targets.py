@@ -1,0 +1,114 @@
+"""Testbed targets: 2 ranks, both planes shaped tcp at 2:1, every collective.
+
+    python bench/testbed_targets.py --out bench/results/testbed            (root; ~5 min)
+
+For all_reduce, reduce_scatter, all_gather and all_to_all at 16-64 MiB,
+mpccs-perf runs up, up#2 (A/A), out and adaptive interleaved inside the
+emulated cluster (mpccs-testbed's Python API); the report gives adaptive
+against the sum of the single-plane busbws and against up, with paired
+bootstrap intervals and the noise floor, next to the targets (>= 0.90x the
+sum, >= 1.35x up). It also records each rank's kernel byte counters.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from stats import holds, noise_floor, ratio_ci  # noqa: E402
+
+from mpccs.testbed import Cluster  # noqa: E402
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+
+
+def run_collective(cluster, collective: str, out: str, iters: int) -> dict:
+    path = os.path.join(out, f"{collective}.json")
+    argv = [sys.executable, "-m", "mpccs.perf", collective, "-b", "16M", "-e", "64M", "-f", "4",
+            "-n", str(iters), "-w", "3", "--policies", "up,up,out,adaptive", "--quiet", "-J", path]
+    result = cluster.run(argv, timeout=1800, stream=open(os.devnull, "w"))
+    if result.exit_code != 0:
+        raise SystemExit(f"{collective} failed:\n" + "\n".join(result.output[0][-20:]))
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def verdicts(data: dict) -> list[dict]:
+    rows = {(r["policy"], r["size"]): r for r in data["rows"]}
+    out = []
+    for size in sorted({r["size"] for r in data["rows"]}):
+        up, up2, out_, ad = (rows[(p, size)] for p in ("up", "up#2", "out", "adaptive"))
+        floor = noise_floor(up["times_us"], up2["times_us"])
+        vs_up = ratio_ci(ad["times_us"], up["times_us"], paired=True)
+        # busbw of adaptive over the sum of single-plane busbws, per iteration (paired)
+        t_up, t_out, t_ad = (np.asarray(r["times_us"]) for r in (up, out_, ad))
+        sums = 1 / (1 / t_up + 1 / t_out)  # the time the summed bandwidth would give
+        vs_sum = ratio_ci(t_ad, sums, paired=True)
+        out.append({"collective": data["rows"][0]["collective"], "size": size, "busbw": {p: rows[(p, size)]["busbw"]
+                    for p in ("up", "out", "adaptive")}, "share_up": ad["up_share"], "floor": floor,
+                    "vs_up": vs_up, "vs_sum": vs_sum,
+                    "holds_up": holds(vs_up, 1.35, floor), "holds_sum": holds(vs_sum, 0.90, floor)})
+    return out
+
+
+def render(results: list[dict], meta: dict) -> str:
+    lines = [
+        "# Testbed targets: 2 ranks, up and out both shaped tcp at 2:1",
+        "",
+        f"Rates: up {meta['up_rate']}, out {meta['out_rate']} (per direction, both ends shaped); "
+        f"{meta['iters']} iterations per point, interleaved; measured {meta['time']}.",
+        "",
+        "| collective | size | busbw up | busbw out | busbw adaptive | up share | adaptive / (up+out) | "
+        "adaptive / up | A/A floor | >= 0.90x sum | >= 1.35x up |",
+        "|---|---:|---:|---:|---:|---:|---|---|---:|---|---|",
+    ]
+    for r in results:
+        f = lambda x: f"{x[0]:.2f} [{x[1]:.2f}, {x[2]:.2f}]"  # noqa: E731
+        lines.append(
+            f"| {r['collective']} | {r['size'] >> 20} MiB | {r['busbw']['up']:.3f} | {r['busbw']['out']:.3f} | "
+            f"{r['busbw']['adaptive']:.3f} | {100 * (r['share_up'] or 0):.0f}% | {f(r['vs_sum'])} | {f(r['vs_up'])} | "
+            f"{r['floor']:.3f} | {'holds' if r['holds_sum'] else 'NOT MET'} | {'holds' if r['holds_up'] else 'NOT MET'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--up-rate", default="2.4gbit")
+    ap.add_argument("--out-rate", default="1.2gbit")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--collectives", default=",".join(COLLECTIVES))
+    ns = ap.parse_args()
+    os.makedirs(ns.out, exist_ok=True)
+    results, counters = [], {}
+    with Cluster(n=2, up="tcp", up_rate=ns.up_rate, out_rate=ns.out_rate, log=lambda m: None) as cluster:
+        for collective in ns.collectives.split(","):
+            before = cluster.counters()
+            data = run_collective(cluster, collective, ns.out, ns.iters)
+            after = cluster.counters()
+            counters[collective] = {
+                str(rank): {plane: after[rank][plane].get("tx_bytes", 0) - before[rank][plane].get("tx_bytes", 0)
+                            for plane in ("up", "out")} for rank in range(2)}
+            results += verdicts(data)
+            print(render(results, {"up_rate": ns.up_rate, "out_rate": ns.out_rate, "iters": ns.iters,
+                                   "time": time.strftime("%Y-%m-%dT%H:%M:%S")}), flush=True)
+    meta = {"up_rate": ns.up_rate, "out_rate": ns.out_rate, "iters": ns.iters,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    text = render(results, meta)
+    text += "\nKernel tx bytes per rank and interface during each collective's sweep (the outside view):\n\n"
+    text += "```\n" + json.dumps(counters, indent=1) + "\n```\n"
+    with open(os.path.join(ns.out, "report.md"), "w") as fh:
+        fh.write(text)
+    with open(os.path.join(ns.out, "verdicts.json"), "w") as fh:
+        json.dump({"meta": meta, "results": results, "counters": counters}, fh, indent=1)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
