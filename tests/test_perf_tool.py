@@ -1,0 +1,52 @@
+"""mpccs-perf: nccl-tests' table, #wrong = 0 for every collective, the JSON schema."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+BIN = os.path.dirname(sys.executable)
+
+
+def clean_env():
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_", "MPCCS_"))}
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_gather", "all_to_all",
+                                        "broadcast", "reduce"])
+def test_table_json_and_no_wrong_elements(tmp_path, collective):
+    out = tmp_path / "r.json"
+    p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "2", "--no-prefix", os.path.join(BIN, "mpccs-perf"),
+                        collective, "-b", "1K", "-e", "256K", "-f", "16", "-n", "3", "-w", "1", "-r", "1",
+                        "--policies", "up,0.5", "-J", str(out)],
+                       env=clean_env(), capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = [line.split() for line in p.stdout.splitlines() if line and not line.startswith("#")]
+    assert len(rows) == 3 * 2  # sizes 1K, 16K, 256K x 2 policies
+    for cols in rows:
+        size, count, dtype, redop, root, policy, algorithm, time_us, algbw, busbw, wrong = cols[:11]
+        assert int(wrong) == 0 and float(time_us) > 0 and float(busbw) >= 0
+        assert policy in ("up", "0.5") and dtype == "float"
+    assert "# Out of bounds values : 0 OK" in p.stdout
+    assert "# Avg bus bandwidth (up)" in p.stdout
+    data = json.loads(out.read_text())
+    assert {"mpccs", "ucx", "ucxx", "numpy", "kernel", "planes", "nranks"} <= set(data["meta"])
+    for row in data["rows"]:
+        assert {"collective", "size", "count", "type", "redop", "root", "policy", "time_us", "algbw", "busbw",
+                "wrong", "up_share", "algorithm", "times_us"} <= set(row)
+        assert row["collective"] == collective and row["wrong"] == 0 and len(row["times_us"]) == 3
+
+
+def test_check_counts_wrong_elements_against_a_reference():
+    from mpccs.perf import Case
+
+    class OneRank:
+        size, rank = 1, 0
+
+    case = Case(OneRank(), "all_reduce", 4096, __import__("numpy").dtype("float32"), "sum", 0, False)
+    case.recv[...] = case.original
+    assert case.wrong() == 0
+    case.recv[:7] += 1
+    assert case.wrong() == 7
