@@ -143,7 +143,7 @@ class Communicator:
     def _make_controller(self):
         from .control import ControlConfig, PathController
 
-        config = ControlConfig(out_cap_share=self.options.out_cap_share)
+        config = ControlConfig(out_cap_share=self.options.out_cap_share, start_on_one_plane=True)
         self._prior_costs = {p: PathModel(config.prior_rate_Bps[p], config.prior_delay_s[p]) for p in ("up", "out")}
         return PathController(config, rank=self.rank)
 

@@ -38,9 +38,10 @@ from .windows import OUT, UP, FlowCursor, boundary_for, chunk_count, chunk_range
 MIN_CHUNK_BYTES = 64 << 10
 ABORT_REASON_MAX = 1024
 IDLE_SPINS_BEFORE_YIELD = 16
-MIN_SAMPLE_BYTES = 64 << 10
+MIN_SAMPLE_BYTES = 64 << 10  # smaller chunks measure latency and skew, not a link's rate
 SHORT_STAGE_S = 0.005  # stages shorter than this reuse a controller decision ...
-REUSE_MAX = 7  # ... up to this many times before deciding afresh  # smaller chunks measure latency and skew, not a link's rate
+REUSE_MAX = 7  # ... up to this many times before deciding afresh
+MAX_WINDOW_BYTES = 8 << 20  # more in flight only pushes chunks out of cache before they are reduced
 IDLE_SPINS_BEFORE_SLEEP = 256  # then block on the planes' event fds ...
 IDLE_SLEEP_S = 0.001  # ... for at most this long (bounds the cost of a missed wake-up)
 ABORT_POLL_AFTER_S = 0.005  # look for peers' aborts only once an operation stalls this long
@@ -181,7 +182,7 @@ class Splitter:
             f.id: FlowSplit(decision.up_bytes.get(f.id, 0), steal, decision.out_cap_bytes.get(f.id))
             for f, _ in flows
         }
-        windows = {p: max(decision.window_bytes.get(p, 0), self.window_bytes[p]) for p in self.window_bytes}
+        windows = {p: min(max(decision.window_bytes.get(p, 0), self.window_bytes[p]), MAX_WINDOW_BYTES) for p in self.window_bytes}
         return StagePlan(splits, windows, {"policy": "adaptive", **decision.reason, "decision": decision})
 
 
@@ -661,7 +662,11 @@ class CollectiveOp(Operation):
             self._log_stage(run)
             if run.plan is not None and run.plan.cache_key is not None and self.splitter.cache is not None:
                 self.splitter.cache.note_stage_time(run.plan.cache_key, run.t_end - run.t_start)
-            if self.engine.controller is not None:
+            if self.engine.controller is not None and self.splitter.policy == "adaptive":
+                # Only stages the controller planned teach it: samples from
+                # fixed-policy operations (a benchmark interleaving 'out' or
+                # 0.8 with 'adaptive') describe splits it did not choose and
+                # upset its solo/joint bookkeeping.
                 for sample in run.delivery_samples():
                     self.engine.controller.on_chunk(*sample)
             if self.engine.controller is not None and run.plan is not None and "decision" in run.plan.reason:

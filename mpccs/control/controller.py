@@ -63,6 +63,10 @@ class ControlConfig:
     max_step: float = 0.2
     # Negative-value detection and re-probing.
     probe_every: int = 16          # decisions between re-probes of a dropped plane (and between checks)
+    # Start with 'out' dropped for in-domain flows and let a probe bring it in:
+    # where the planes share a CPU or a link, the second plane never costs more
+    # than its probes. The communicator sets it; the pure default stays off.
+    start_on_one_plane: bool = False
     probe_backoff_max: int = 8     # failed probes double the interval up to probe_every * this
     probe_share: float = 0.125     # share a probe puts on the dropped plane
     # Joint stages must beat one plane alone by this much, or the plane is
@@ -139,6 +143,7 @@ class _Mode:
 
 
 MISPREDICTIONS_BEFORE_JUDGING = 3
+FIRST_PROBE_AFTER = 2  # decisions before the first probe of a plane that starts dropped
 
 
 @dataclass
@@ -199,6 +204,13 @@ class PathController:
         self._shares: dict[tuple, float] = {}         # (src, dst, size class) -> share on 'out'
         self._events: deque = deque(maxlen=64)
         self._last_reason: Optional[dict] = None
+        if self.config.start_on_one_plane and rank is not None:
+            # 'out' has to earn its place: it starts dropped and is probed
+            # after a couple of decisions; a probe that shows a gain re-adds it.
+            st = self._states[rank] = _RankState()
+            st.dropped = {"out"}
+            st.probe_interval = self.config.probe_every
+            st.next_probe_k = FIRST_PROBE_AFTER
 
     @property
     def rank(self) -> int:

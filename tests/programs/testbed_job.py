@@ -1,7 +1,7 @@
 """A job the testbed tests run as every rank; prints one JSON line on rank 0.
 
     p2p POLICY NBYTES          one point-to-point message rank 0 -> rank 1
-    adaptive NBYTES REPEATS    all_reduce under 'adaptive' REPEATS times, then 'up' vs 'adaptive' 3 times
+    adaptive NBYTES REPEATS    all_reduce under 'adaptive' REPEATS times, then 'up' vs 'adaptive' 5 times
 """
 import json
 import sys
@@ -41,7 +41,7 @@ def adaptive(comm, nbytes, repeats):
     for _ in range(repeats):
         _, bpp = timed_all_reduce(comm, x)
         result["share"].append(bpp["up"] / max(1, bpp["up"] + bpp["out"]))
-    for _ in range(3):
+    for _ in range(5):
         for policy in ("up", "adaptive"):
             comm.set_path_policy(policy)
             result[policy].append(timed_all_reduce(comm, x)[0])
