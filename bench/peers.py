@@ -54,6 +54,9 @@ class MpiPeer:
         self.comm.Allreduce(values, out, op=self.MPI.MAX)
         return out
 
+    def close(self):
+        pass
+
     def version(self) -> str:
         import mpi4py
 
@@ -85,6 +88,12 @@ class GlooPeer:
 
     def version(self) -> str:
         return f"torch {self.torch.__version__} gloo"
+
+    def close(self):
+        # Without an explicit teardown gloo aborts at interpreter exit
+        # ("terminate called without an active exception").
+        self.dist.barrier()
+        self.dist.destroy_process_group()
 
 
 def main() -> int:
@@ -122,6 +131,7 @@ def main() -> int:
     if peer.rank == 0 and ns.J:
         with open(ns.J, "w") as fh:
             json.dump({"meta": {"peer": peer.version(), "nranks": peer.size, "pid": os.getpid()}, "rows": rows}, fh, indent=1)
+    peer.close()
     return 0
 
 
