@@ -10,7 +10,7 @@ NRANKS ?= 2
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,mpi,plot]'
+	$(PY) -m pip install -q -e '.[test,mpi,plot,torch]'
 	touch $(STAMP)
 
 install: $(STAMP)
