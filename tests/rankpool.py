@@ -31,12 +31,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, env: dict, conn, init_kwargs: dict) -> None:
+def init_communicator(init_kwargs: dict):
+    """The default per-rank set-up: a world communicator (what cases receive)."""
+    import mpccs
+
+    return mpccs.init(**init_kwargs)
+
+
+def _worker(rank: int, env: dict, conn, setup, setup_arg) -> None:
     os.environ.update(env)
     try:
-        import mpccs
-
-        comm = mpccs.init(**init_kwargs)
+        comm = setup(setup_arg)
     except BaseException:  # noqa: BLE001 - report anything to the parent
         conn.send(("err", traceback.format_exc()))
         return
@@ -62,7 +67,9 @@ def _worker(rank: int, env: dict, conn, init_kwargs: dict) -> None:
 
 class RankPool:
     def __init__(self, size: int, env: Optional[dict] = None, init_kwargs: Optional[dict] = None,
-                 start_timeout: float = 60.0):
+                 start_timeout: float = 60.0, setup=init_communicator):
+        """``setup(init_kwargs)`` runs once in each rank (a module-level function); its
+        result is what every case receives as first argument, and is closed at the end."""
         self.size = size
         ctx = mp.get_context("spawn")
         port, token = free_port(), secrets.token_hex(8)
@@ -77,7 +84,7 @@ class RankPool:
             if callable(rank_env.get("MPCCS_DOMAIN")):
                 rank_env["MPCCS_DOMAIN"] = rank_env["MPCCS_DOMAIN"](rank)
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(rank, rank_env, child, init_kwargs or {}), daemon=True)
+            proc = ctx.Process(target=_worker, args=(rank, rank_env, child, setup, init_kwargs or {}), daemon=True)
             proc.start()
             self._conns.append(parent)
             self._procs.append(proc)

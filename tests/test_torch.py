@@ -9,11 +9,9 @@ backends in the same processes and the results are compared.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +19,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'mpccs[torch]', torch==2.13.0)")
 
-from rankpool import RankFailure, free_port  # noqa: E402
+from rankpool import RankPool  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -39,100 +37,28 @@ class Ctx:
         self.mpccs = dist.group.WORLD
         self.gloo = gloo
 
-
-def _worker(rank: int, env: dict, conn) -> None:
-    os.environ.update(env)
-    try:
-        import torch
+    def close(self):
         import torch.distributed as dist
 
-        torch.set_num_threads(1)
-        import mpccs.torch  # noqa: F401  (registers the backend)
-
-        dist.init_process_group("mpccs")  # env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-        gloo = dist.new_group(backend="gloo")
-        ctx = Ctx(rank, dist.get_world_size(), gloo)
-    except BaseException:  # noqa: BLE001
-        conn.send(("err", traceback.format_exc()))
-        return
-    conn.send(("ok", None))
-    while True:
-        try:
-            message = conn.recv()
-        except EOFError:
-            return
-        if message is None:
-            break
-        fn, args = message
-        try:
-            conn.send(("ok", fn(ctx, *args)))
-        except BaseException as exc:  # noqa: BLE001
-            conn.send(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-    try:
         dist.destroy_process_group()
-    except Exception:
-        pass
-    conn.send(("closed", None))
 
 
-class TorchPool:
-    def __init__(self, size: int, start_timeout: float = 90.0):
-        ctx = mp.get_context("spawn")
-        self.size = size
-        port = free_port()
-        self._conns, self._procs = [], []
-        for rank in range(size):
-            env = {
-                "RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(size),
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "MPCCS_TIMEOUT": "30",
-                "OMP_NUM_THREADS": "1", "UCX_WARN_UNUSED_ENV_VARS": "n",
-            }
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(rank, env, child), daemon=True)
-            proc.start()
-            self._conns.append(parent)
-            self._procs.append(proc)
-        self._collect(start_timeout, "start-up")
+def torch_groups(_kwargs) -> Ctx:
+    """Each rank: the mpccs default group (env://, as torchrun sets it) and a gloo group beside it."""
+    import torch
+    import torch.distributed as dist
 
-    def _collect(self, timeout: float, what: str) -> list:
-        results, failures = [None] * self.size, {}
-        for rank, conn in enumerate(self._conns):
-            if not conn.poll(timeout):
-                self.kill()
-                raise TimeoutError(f"rank {rank} did not finish {what} within {timeout:g} s (pool killed)")
-            status, value = conn.recv()
-            if status == "err":
-                failures[rank] = value
-            results[rank] = value
-        if failures:
-            raise RankFailure(failures)
-        return results
+    torch.set_num_threads(1)
+    import mpccs.torch  # noqa: F401  (registers the backend)
 
-    def run(self, fn, *args, timeout: float = 60.0) -> list:
-        for conn in self._conns:
-            conn.send((fn, args))
-        return self._collect(timeout, fn.__name__)
-
-    def close(self, timeout: float = 20.0) -> None:
-        for conn in self._conns:
-            try:
-                conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
-        for proc in self._procs:
-            proc.join(timeout)
-        self.kill()
-
-    def kill(self) -> None:
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+    dist.init_process_group("mpccs")  # env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    gloo = dist.new_group(backend="gloo")
+    return Ctx(dist.get_rank(), dist.get_world_size(), gloo)
 
 
 @pytest.fixture(scope="module")
 def pool():
-    p = TorchPool(WORLD)
+    p = RankPool(WORLD, env={"OMP_NUM_THREADS": "1"}, setup=torch_groups, start_timeout=90)
     yield p
     p.close()
 
