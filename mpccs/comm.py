@@ -95,6 +95,7 @@ class Communicator:
             self.options = options = dataclasses.replace(options, multipath=False, path_policy="up")
         self._planes = self._open_planes(options)
         self._engine = Engine(self.rank, comm_id, self._planes, controller=self._make_controller())
+        self._engine.liveness = self._lost_local_peers
         self._telemetry = Telemetry(options.trace, self.rank)
         self._policy = None
         self.set_path_policy(options.path_policy)
@@ -107,7 +108,32 @@ class Communicator:
             return [host], [domain]
         boot.store.set(f"info/{boot.rank}", json.dumps({"host": host, "domain": domain, "pid": os.getpid()}).encode())
         infos = [json.loads(v) for v in boot.store.gather("info", boot.size, opts.rendezvous_timeout_s)]
+        self._pids = [i["pid"] for i in infos]
         return [i["host"] for i in infos], [i["domain"] for i in infos]
+
+    def _lost_local_peers(self) -> list[int]:
+        """Ranks on this host whose process no longer exists.
+
+        Liveness independent of the operation timeout: shared memory has no
+        peer-failure handler at all, so a stalled operation asks the kernel
+        whether each same-host peer's process is still there (remote peers
+        are covered by the scale-out plane's endpoint errors). Ranks in other
+        PID namespaces on a host of the same name are not supported.
+        """
+        pids = getattr(self, "_pids", None)
+        if not pids:
+            return []
+        lost = []
+        for rank, pid in enumerate(pids):
+            if rank == self.rank or self.hosts[rank] != self.hosts[self.rank]:
+                continue
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                lost.append(rank)
+            except PermissionError:
+                pass  # exists, owned by someone else
+        return lost
 
     def _derive_local_rank(self) -> int:
         return sum(1 for r in range(self.rank) if self.hosts[r] == self.hosts[self.rank])

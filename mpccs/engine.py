@@ -45,6 +45,7 @@ MAX_WINDOW_BYTES = 8 << 20  # more in flight only pushes chunks out of cache bef
 IDLE_SPINS_BEFORE_SLEEP = 256  # then block on the planes' event fds ...
 IDLE_SLEEP_S = 0.001  # ... for at most this long (bounds the cost of a missed wake-up)
 ABORT_POLL_AFTER_S = 0.005  # look for peers' aborts only once an operation stalls this long
+LIVENESS_AFTER_S = 0.5  # and for peers whose process is gone once it stalls this long
 
 
 # ---------------------------------------------------------------------------
@@ -912,6 +913,7 @@ class Engine:
         self._abort_sends: list = []
         self._poller = None
         self.decisions = DecisionCache()
+        self.liveness: Optional[Callable[[], list]] = None  # returns ranks known to be gone
 
     def planes_to(self, peer: int) -> list:
         return [p for p in self.planes.values() if p.reaches(peer)]
@@ -974,6 +976,20 @@ class Engine:
             return cls(f"rank {sender} aborted operation #{seq}: {reason}")
         return None
 
+    def _lost_peers(self, op: Operation) -> Optional[TransportError]:
+        """A stalled operation checks whether a peer's process is gone (see Communicator liveness)."""
+        if self.liveness is None:
+            return None
+        lost = self.liveness()
+        if not lost:
+            return None
+        stall = op.describe_stall()
+        return TransportError(
+            f"rank(s) {lost} are gone (their processes exited) while {op.name} #{op.seq} waited on {stall}",
+            rank=self.rank, peer=lost if len(lost) > 1 else lost[0], op=op.name, stage=stall.get("stage"),
+            plane=stall.get("plane"),
+        )
+
     def submit(self, op: Operation) -> Operation:
         self.active.append(op)
         op.advance()
@@ -1007,7 +1023,7 @@ class Engine:
 
     def wait(self, op: Operation, timeout_s: float) -> None:
         """Drive progress until op finishes; raise its error or a no-progress timeout."""
-        next_abort_poll = 0.0
+        next_abort_poll = next_liveness = 0.0
         idle = 0
         while not op.finished:
             if self.progress():
@@ -1027,6 +1043,9 @@ class Engine:
             if stalled > ABORT_POLL_AFTER_S and now >= next_abort_poll:
                 next_abort_poll = now + ABORT_POLL_AFTER_S
                 error = self.poll_aborts()
+                if error is None and stalled > LIVENESS_AFTER_S and now >= next_liveness:
+                    next_liveness = now + LIVENESS_AFTER_S
+                    error = self._lost_peers(op)
                 if error is not None:
                     op._fail(error)
                     if op in self.active:

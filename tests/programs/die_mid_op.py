@@ -1,0 +1,31 @@
+"""Rank 1 dies (SIGKILL) while rank 0 is inside an all_reduce waiting for it.
+
+Rank 0 prints how long it took to raise and what it raised, then checks that
+the communicator refuses further use.
+"""
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import mpccs
+
+comm = mpccs.init()
+x = np.ones(int(sys.argv[1]) if len(sys.argv) > 1 else 1 << 20, np.float32)
+comm.all_reduce(x)  # warm: endpoints and schedules exist
+comm.barrier()
+if comm.rank == 1:
+    time.sleep(0.3)  # rank 0 is inside its all_reduce by now
+    os.kill(os.getpid(), signal.SIGKILL)
+start = time.monotonic()
+try:
+    comm.all_reduce(x)
+    print("RESULT completed", flush=True)
+except mpccs.MpccsError as exc:
+    print(f"RESULT {time.monotonic() - start:.2f} {type(exc).__name__}: {exc}", flush=True)
+    try:
+        comm.all_reduce(x)
+    except mpccs.CommunicatorAborted:
+        print("RESULT aborted", flush=True)

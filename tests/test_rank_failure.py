@@ -1,0 +1,36 @@
+"""A rank killed with SIGKILL while the others wait on it: every survivor raises an
+mpccs error naming it within seconds (liveness, not the operation timeout), never
+hangs, and the communicator is aborted afterwards."""
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+BIN = os.path.dirname(sys.executable)
+PROG = os.path.join(os.path.dirname(__file__), "programs", "die_mid_op.py")
+TRIALS = 20
+
+
+def clean_env():
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_", "MPCCS_"))}
+    env["MPCCS_TIMEOUT"] = "60"  # far above the 10 s bound: only liveness can explain a fast error
+    return env
+
+
+@pytest.mark.parametrize("trial", range(TRIALS))
+def test_survivor_raises_naming_the_lost_rank(trial):
+    start = time.monotonic()
+    p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "2", "--grace", "20", PROG, str(1 << 18)],
+                       env=clean_env(), capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - start
+    lines = [line for line in p.stdout.splitlines() if "RESULT" in line]
+    assert lines and "completed" not in lines[0], p.stdout + p.stderr
+    seconds, kind = re.search(r"RESULT ([\d.]+) (\w+):", lines[0]).groups()
+    assert kind == "TransportError" and "rank(s) [1] are gone" in lines[0]
+    assert float(seconds) < 10
+    assert any("RESULT aborted" in line for line in lines)
+    assert elapsed < 20  # the survivor exits on its own, well inside the launcher's grace period
