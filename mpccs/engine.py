@@ -262,7 +262,7 @@ class StageRun:
     t_start: float
     t_end: Optional[float] = None
     bytes_by_plane: dict = field(default_factory=lambda: {UP: 0, OUT: 0})
-    # (plane, peer) -> [first arrival, last arrival, bytes after the first chunk]
+    # (plane, peer) -> [stage start, last arrival, bytes arrived]
     arrivals: dict = field(default_factory=dict)
 
     @property
@@ -272,7 +272,7 @@ class StageRun:
     def note_arrival(self, plane: str, peer: int, nbytes: int, now: float) -> None:
         record = self.arrivals.get((plane, peer))
         if record is None:
-            self.arrivals[(plane, peer)] = [now, now, 0]
+            self.arrivals[(plane, peer)] = [self.t_start, now, nbytes]
         else:
             record[1] = now
             record[2] += nbytes
@@ -284,11 +284,13 @@ class StageRun:
         delivered bytes whatever the protocol, while a sender's completion
         under an eager protocol only means the socket took them. Links are
         taken as symmetric (the rate from a peer is the rate to it), true of
-        full-duplex fabrics. The interval starts at the first arrival (before
-        it the peer may not have entered the stage) and spans the stage, so
-        bursts of chunks handled in one progress call average out. The
-        estimator sees it as one chunk posted to an idle plane and fits rate
-        and delay from such samples (its idle-only model).
+        full-duplex fabrics. The interval runs from this rank's stage start
+        to the last arrival: arrival times alone mislead when a flow fits in
+        the socket buffers (the first chunk already waited for most of the
+        transfer), and in symmetric collectives the peer starts the stage
+        about when this rank does (its lateness makes the sample err slow,
+        the safe side). The estimator sees one chunk posted to an idle plane
+        and fits rate and delay from such samples (its idle-only model).
         """
         for (plane, peer), (first, last, nbytes) in self.arrivals.items():
             if nbytes and last > first:
