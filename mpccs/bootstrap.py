@@ -16,6 +16,8 @@ import os
 import secrets
 import socket
 import sys
+import tempfile
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Optional
@@ -40,12 +42,18 @@ class Bootstrap:
     store: Optional[StoreClient]
     server: Optional[StoreServer]
     token: str
+    job_file: Optional[str] = None  # rank 0 removes the rendezvous file it wrote
 
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
         if self.server is not None:
             self.server.close()
+        if self.job_file is not None:
+            try:
+                os.unlink(self.job_file)
+            except FileNotFoundError:
+                pass
 
 
 def _int_var(environ, name: str) -> int:
@@ -125,6 +133,8 @@ def _from_mpi(environ, rank_var, size_var, local_var, launcher, timeout_s) -> Bo
         return _from_env(env, timeout_s, launcher)
     if size == 1:
         return Bootstrap(rank, size, 0, launcher, None, None, "")
+    if launcher in ("openmpi", "pmix") and not _mpi4py_matches("Open MPI"):
+        return _from_job_file(environ, rank, size, local_rank, launcher, timeout_s)
     # Broadcast the store address through MPI. ucxx is imported first (pip
     # mpich ships its own UCX; the other order fails to load).
     from .transports import ucx  # noqa: F401
@@ -154,6 +164,68 @@ def _from_mpi(environ, rank_var, size_var, local_var, launcher, timeout_s) -> Bo
     host, port, token = info
     client = StoreClient(host, port, token, timeout_s)
     return Bootstrap(rank, size, local_rank, launcher, client, server, token)
+
+
+def _mpi4py_matches(library: str) -> bool:
+    """Is an importable mpi4py built against this MPI library? (Checked without MPI_Init.)
+
+    The 'mpi' extra brings mpi4py on pip's MPICH; under Open MPI's mpirun that
+    MPICH aborts the process inside MPI_Init, so it must not be initialised.
+    """
+    from .transports import ucx  # noqa: F401  (ucxx before mpi4py)
+
+    try:
+        import mpi4py
+
+        mpi4py.rc.initialize = False
+        from mpi4py import MPI
+
+        return library in MPI.Get_library_version()
+    except Exception:  # no mpi4py, or one that cannot load
+        return False
+
+
+def _from_job_file(environ, rank, size, local_rank, launcher, timeout_s) -> Bootstrap:
+    """Rendezvous through a file named after the launcher's job id, for one-host jobs.
+
+    Used under Open MPI when no matching mpi4py is there to broadcast the store
+    address: rank 0 starts the store on loopback and writes its address and a
+    random token to a 0600 file; the others read it.
+    """
+    local_size = _optional_int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE")
+    if local_size != size:
+        raise RendezvousError(
+            f"launched by {launcher} across several hosts without MASTER_ADDR/MASTER_PORT and without an mpi4py "
+            f"built for Open MPI: set MASTER_ADDR and MASTER_PORT (and MPCCS_JOB_TOKEN) for every rank"
+        )
+    job = environ.get("PMIX_NAMESPACE") or environ.get("OMPI_MCA_ess_base_jobid")
+    if not job:
+        raise RendezvousError(f"launched by {launcher} but no job id (PMIX_NAMESPACE) to rendezvous on")
+    path = os.path.join(tempfile.gettempdir(), f"mpccs-job-{os.getuid()}-{job}.addr")
+    server = None
+    if rank == 0:
+        token = secrets.token_hex(16)
+        server = StoreServer("127.0.0.1", 0, token)
+        fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(f"{server.port} {token}")
+        os.replace(path + ".tmp", path)  # atomic: readers never see half a file
+    port, token = _read_job_file(path, timeout_s)
+    client = StoreClient("127.0.0.1", port, token, timeout_s)
+    return Bootstrap(rank, size, local_rank, launcher, client, server, token, path if rank == 0 else None)
+
+
+def _read_job_file(path: str, timeout_s: float) -> tuple[int, str]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with open(path) as fh:
+                port, token = fh.read().split()
+            return int(port), token
+        except (FileNotFoundError, ValueError):
+            if time.monotonic() > deadline:
+                raise RendezvousError(f"rank 0 never published the rendezvous address in {path}") from None
+            time.sleep(0.02)
 
 
 def rendezvous(environ=None, timeout_s: float = 60.0) -> Bootstrap:

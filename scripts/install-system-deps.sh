@@ -3,8 +3,10 @@
 # Idempotent: a no-op when everything is already installed; apt-get runs only for
 # what is missing. Called by CI; safe to run by hand.
 #
-#   iproute2  `ip` and `tc` for the emulated cluster (mpccs-testbed, tests/test_testbed.py):
-#             network namespaces, veths, bridges, tbf/htb shaping.
+#   iproute2     `ip` and `tc` for the emulated cluster (mpccs-testbed, tests/test_testbed.py):
+#                network namespaces, veths, bridges, tbf/htb shaping.
+#   openmpi-bin  optional: Open MPI's mpirun, so the launcher test runs under it (it skips
+#                without); a failed install of an optional package never fails this script.
 set -euo pipefail
 
 # package -> a command that proves it is installed
@@ -12,12 +14,20 @@ declare -A NEEDED=(
   [iproute2]=tc
 )
 
+declare -A OPTIONAL=(
+  [openmpi-bin]=orterun
+)
+
 missing=()
 for pkg in "${!NEEDED[@]}"; do
   command -v "${NEEDED[$pkg]}" >/dev/null 2>&1 || missing+=("$pkg")
 done
+optional=()
+for pkg in "${!OPTIONAL[@]}"; do
+  command -v "${OPTIONAL[$pkg]}" >/dev/null 2>&1 || optional+=("$pkg")
+done
 
-if [ ${#missing[@]} -eq 0 ]; then
+if [ ${#missing[@]} -eq 0 ] && [ ${#optional[@]} -eq 0 ]; then
   exit 0
 fi
 
@@ -28,7 +38,14 @@ if [ "$(id -u)" -ne 0 ]; then
     exit 1
   fi
 fi
-echo "install-system-deps: installing ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -qq
-$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "install-system-deps: installing ${missing[*]}"
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+if [ ${#optional[@]} -gt 0 ]; then
+  echo "install-system-deps: installing optional ${optional[*]}"
+  { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends "${optional[@]}"; } \
+    || echo "install-system-deps: optional ${optional[*]} not installed; the tests that need it skip" >&2
+fi
