@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from stats import holds, noise_floor, ratio_ci  # noqa: E402

@@ -14,6 +14,7 @@ steps), the losses, and whether every rank ended with identical weights.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -131,6 +132,12 @@ def main(args) -> int:
         "hook_buckets": state.buckets if state is not None else None,
         "first_loss": round(losses[0], 6), "final_loss": round(losses[-1], 6), "weights_identical": identical,
     }
+    # Tear down in order: DDP's reducer holds the process group, and gloo aborts
+    # the process at exit ("terminate called without an active exception") when
+    # a group outlives its users into interpreter shutdown.
+    dist.barrier()
+    del ddp, opt
+    gc.collect()
     if state is not None:
         state.comm.close()
     dist.destroy_process_group()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import secrets
 import socket
-import sys
 import tempfile
 import time
 import warnings
@@ -240,7 +239,3 @@ def rendezvous(environ=None, timeout_s: float = 60.0) -> Bootstrap:
 
 def hostname() -> str:
     return os.environ.get("MPCCS_HOSTNAME") or socket.gethostname()
-
-
-def print_err(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)

@@ -6,7 +6,6 @@ import functools
 import json
 from dataclasses import dataclass
 import os
-import time
 from collections import OrderedDict
 from typing import Optional
 

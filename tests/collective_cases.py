@@ -66,7 +66,6 @@ def reduce_reference(inputs: list[np.ndarray], op: str, name: str) -> np.ndarray
 
 
 def expected_output(collective, inputs, op, name, rank, root, count):
-    world = len(inputs)
     if collective == "all_reduce":
         return reduce_reference(inputs, op, name)
     if collective == "reduce":

@@ -13,9 +13,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import secrets
-import socket
 import traceback
 from typing import Optional
+
+from mpccs.launch import free_port
 
 
 class RankFailure(AssertionError):
@@ -23,12 +24,6 @@ class RankFailure(AssertionError):
         self.failures = failures
         text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
         super().__init__(f"{len(failures)} rank(s) failed:\n{text}")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def init_communicator(init_kwargs: dict):

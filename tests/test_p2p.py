@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import mpccs
-from rankpool import RankPool, RankFailure
+from rankpool import RankPool
 
 POLICIES = ["up", "out", 0.5, 0.8, "adaptive"]
 SIZES = [0, 1, 4097, 1_000_003, 64 << 20]

@@ -1,6 +1,5 @@
 """Trace lines, Prometheus counters, Chrome-trace export and mpccs-report."""
 import json
-import os
 import subprocess
 import sys
 
