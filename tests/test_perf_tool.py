@@ -50,3 +50,33 @@ def test_check_counts_wrong_elements_against_a_reference():
     assert case.wrong() == 0
     case.recv[:7] += 1
     assert case.wrong() == 7
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "mpiexec")), reason="pip mpich (the 'mpi' extra) is not installed")
+def test_mpi_peer_rows_share_the_perf_schema(tmp_path):
+    out = tmp_path / "mpi.json"
+    p = subprocess.run([os.path.join(BIN, "mpiexec"), "-n", "2", sys.executable, os.path.join(ROOT, "bench", "peers.py"),
+                        "mpi", "-b", "8", "-e", "64K", "-f", "64", "-n", "3", "-w", "1", "-J", str(out)],
+                       env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    data = json.loads(out.read_text())
+    assert "MPICH" in data["meta"]["peer"] and data["meta"]["nranks"] == 2
+    assert [r["size"] for r in data["rows"]] == [8, 512, 32768]
+    for row in data["rows"]:
+        assert row["policy"] == "mpi" and row["time_us"] > 0 and len(row["times_us"]) == 3
+        assert row["busbw"] == pytest.approx(row["algbw"] * 2 * (2 - 1) / 2)
+
+
+def test_gloo_peer_rows_share_the_perf_schema(tmp_path):
+    pytest.importorskip("torch", reason="torch is not installed (the 'torch' extra)")
+    out = tmp_path / "gloo.json"
+    p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "2", "--no-prefix", os.path.join(ROOT, "bench", "peers.py"),
+                        "gloo", "-b", "8", "-e", "512", "-f", "64", "-n", "3", "-w", "1", "-J", str(out)],
+                       env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    data = json.loads(out.read_text())
+    assert "gloo" in data["meta"]["peer"]
+    assert [r["policy"] for r in data["rows"]] == ["gloo", "gloo"]
