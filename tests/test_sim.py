@@ -300,7 +300,7 @@ def test_fit_testbed_from_perf_json_compares_with_measured_multipath(capsys, tmp
         t = 2 * 25e-6 + size / rate
         return {"collective": "all_reduce", "size": size, "policy": policy, "time_us": t * 1e6,
                 "busbw": size / t / 1e9, "nranks": 2}
-    rows = [row(s, p, r) for s in (MiB, 16 * MiB) for p, r in (("up", 0.29e9), ("out", 0.15e9), ("adaptive", 0.43e9))]
+    rows = [row(s, p, r) for s in (4 * MiB, 16 * MiB) for p, r in (("up", 0.29e9), ("out", 0.15e9), ("adaptive", 0.43e9))]
     perf = tmp_path / "perf.json"
     perf.write_text(json.dumps({"meta": {}, "rows": rows}))
     assert sim_main(["fit-testbed", "--measured", str(perf)]) == 0

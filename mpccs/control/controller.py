@@ -46,11 +46,12 @@ class ControlConfig:
     # on ``single_plane``, nothing borrowed, no stealing).
     multipath: bool = True
     single_plane: str = "up"
-    # Flows below this go whole to the plane predicted fastest. 256 KiB takes
-    # 25-50 us at 5-10 GB/s, about one scale-out round trip here: the second
-    # plane cannot deliver its share before the first is done, and the split
-    # costs a second stream of chunks to track.
-    min_multipath_bytes: int = 256 * KiB
+    # Stages below this go whole to the plane predicted fastest (NIMBLE turns
+    # multipath off at <= 1 MB too). 256 KiB takes 25-50 us at 5-10 GB/s, about
+    # one scale-out round trip; on the 2-core machines here setup and noise
+    # swamped the gain up to ~1 MiB, and probes at that size misled the
+    # controller into re-adding a plane that hurt (0.67x at 512 KiB).
+    min_multipath_bytes: int = 1024 * KiB
     # Ranks off a stage's critical path aim this much below the stage time
     # (estimates run a few % optimistic: the max filter's noise bias).
     coflow_slack: float = 0.05
@@ -68,7 +69,7 @@ class ControlConfig:
     # than its probes. The communicator sets it; the pure default stays off.
     start_on_one_plane: bool = False
     probe_backoff_max: int = 8     # failed probes double the interval up to probe_every * this
-    probe_share: float = 0.125     # share a probe puts on the dropped plane
+    probe_share: float = 0.34      # largest share a probe puts on the dropped plane (the model share, up to this)
     # Joint stages must beat one plane alone by this much, or the plane is
     # dropped: equal times mean fewer bytes belong on the shared network, and
     # 5% is above the run-to-run noise of a busy 2-core machine (at 1% the

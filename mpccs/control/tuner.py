@@ -47,7 +47,7 @@ ALGORITHMS: dict[str, tuple[str, ...]] = {
 SPLIT_POLICIES = ("multipath", "single")
 MIN_CHUNK = 64 * KiB
 MAX_CHUNK = 1 * MiB
-DEFAULT_MIN_MULTIPATH = 256 * KiB
+DEFAULT_MIN_MULTIPATH = 1024 * KiB  # the same threshold as ControlConfig.min_multipath_bytes
 
 
 @dataclass(frozen=True)
