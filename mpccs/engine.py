@@ -252,6 +252,23 @@ class InFlow:
     def done(self) -> bool:
         return self.arrived == self.nchunks
 
+    def claim(self, probe, itemsize: int) -> tuple[int, int, int]:
+        """Validate a probed chunk and mark it seen: (index, element offset, element count).
+
+        Raises ValueError with the reason when the chunk does not fit this flow
+        (index out of range, a duplicate, or a length other than expected).
+        """
+        index = wire.chunk_index(probe.sender_tag.value)
+        if index >= self.nchunks or self.seen[index]:
+            raise ValueError(f"chunk {index} of flow {self.flow.id} is "
+                             f"{'a duplicate' if index < self.nchunks else 'out of range'}")
+        offset, nelems = chunk_range(index, self.flow.count, self.chunk_elems)
+        if probe.length != nelems * itemsize:
+            raise ValueError(f"chunk {index} of flow {self.flow.id} has {probe.length} bytes, "
+                             f"expected {nelems * itemsize}")
+        self.seen[index] = 1
+        return index, offset, nelems
+
 
 @dataclass
 class StageRun:
@@ -563,23 +580,15 @@ class CollectiveOp(Operation):
         return moved
 
     def _accept_chunk(self, run: StageRun, inflow: InFlow, plane, probe) -> None:
-        index = wire.chunk_index(probe.sender_tag.value)
-        if index >= inflow.nchunks or inflow.seen[index]:
+        try:
+            index, offset, nelems = inflow.claim(probe, self.itemsize)
+        except ValueError as exc:
             self.engine.discard(plane, probe)
             raise ProtocolError(
-                f"chunk {index} of flow {inflow.flow.id} is {'a duplicate' if index < inflow.nchunks else 'out of range'}",
+                f"{exc} (do all ranks call {self.name} with the same count and dtype?)",
                 rank=self.rank, plane=plane.name, peer=inflow.peer, op=self.name, stage=run.stage.id,
-            )
-        offset, nelems = chunk_range(index, inflow.flow.count, inflow.chunk_elems)
+            ) from None
         nbytes = nelems * self.itemsize
-        if probe.length != nbytes:
-            self.engine.discard(plane, probe)
-            raise ProtocolError(
-                f"chunk {index} of flow {inflow.flow.id} has {probe.length} bytes, expected {nbytes} "
-                f"(do all ranks call {self.name} with the same count and dtype?)",
-                rank=self.rank, plane=plane.name, peer=inflow.peer, op=self.name, stage=run.stage.id,
-            )
-        inflow.seen[index] = 1
         if inflow.reduce:
             scratch = self.engine.scratch(nbytes)
             target = scratch[:nbytes]
@@ -862,14 +871,12 @@ class RecvOp(Operation):
                 probe = plane.probe(self.inflow.tag_base, wire.MASK_STREAM)
                 if probe is None:
                     break
-                index = wire.chunk_index(probe.sender_tag.value)
-                inflow = self.inflow
-                offset, n = chunk_range(index, inflow.flow.count, inflow.chunk_elems) if index < inflow.nchunks else (0, -1)
-                if index >= inflow.nchunks or inflow.seen[index] or probe.length != n:
+                try:
+                    _, offset, n = self.inflow.claim(probe, 1)
+                except ValueError as exc:
                     self.engine.discard(plane, probe)
-                    raise ProtocolError(f"invalid chunk {index} ({probe.length} bytes)", rank=self.engine.rank,
-                                        plane=plane.name, peer=self.src, op="recv")
-                inflow.seen[index] = 1
+                    raise ProtocolError(str(exc), rank=self.engine.rank, plane=plane.name, peer=self.src,
+                                        op="recv") from None
                 self.pending.append((plane.recv_probed(self.buf[offset : offset + n], probe), plane, n))
                 moved = True
         still = []
