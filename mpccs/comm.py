@@ -6,6 +6,7 @@ import functools
 import json
 from dataclasses import dataclass
 import os
+import time
 from collections import OrderedDict
 from typing import Optional
 
@@ -93,7 +94,8 @@ class Communicator:
         if self._tune.multipath is False:
             self.options = options = dataclasses.replace(options, multipath=False, path_policy="up")
         self._planes = self._open_planes(options)
-        self._engine = Engine(self.rank, comm_id, self._planes, controller=self._make_controller())
+        self._engine = Engine(self.rank, comm_id, self._planes, controller=self._make_controller(),
+                              plane_timeout_s=options.plane_timeout_s, reprobe_s=options.reprobe_s)
         self._engine.liveness = self._lost_local_peers
         self._telemetry = Telemetry(options.trace, self.rank)
         self._policy = None
@@ -245,7 +247,8 @@ class Communicator:
         policy = self._policy
         if single_plane and policy == "adaptive":
             policy = "up"  # the tuner found a second plane does not pay at this size
-        return Splitter(policy, self._planes, DEFAULT_WINDOW_BYTES, self._engine.controller, self._engine.decisions)
+        return Splitter(policy, self._engine.health.live(), DEFAULT_WINDOW_BYTES, self._engine.controller,
+                        self._engine.decisions)
 
     def _submit(self, op: Operation, result, async_op: bool):
         op.on_finish.append(self._record)
@@ -255,6 +258,9 @@ class Communicator:
 
     def _record(self, op: Operation) -> None:
         stats = op.stats()
+        rejoined = self._engine.health.take_events()
+        if rejoined:
+            stats["events"] = stats.get("events", []) + rejoined
         if op.error is None:
             self._last_stats = stats
         else:
@@ -348,9 +354,37 @@ class Communicator:
             count = None if name == "all_to_allv" else schedule.count
             fp = fingerprint.make(name, op, dtype, schedule.algorithm, schedule.root, plan.chunk_bytes, count)
         splitter = self._splitter(single_plane=plan.single_plane)
+        health = self._engine.health
+        health.serve()  # peers probing a plane to rejoin wait for our answer
+        if health.down:
+            health.try_rejoin(time.perf_counter())
+        protected = self._protected(schedule.count * np.dtype(dtype).itemsize, plan.single_plane)
+        snapshot = None
+        if protected and name in ("all_reduce", "reduce") and np.shares_memory(buffers["in"], buffers["out"]):
+            snapshot = buffers["in"].copy()  # the retry restarts from the caller's input
         cop = CollectiveOp(self._engine, self._next_seq(), schedule, buffers, dtype, op, splitter,
-                           plan.chunk_bytes, name, finalize, fp)
+                           plan.chunk_bytes, name, finalize, fp, protected=protected, snapshot=snapshot)
         return self._submit(cop, result, async_op)
+
+    def _protected(self, nbytes: int, single_plane: bool) -> bool:
+        """Whether a call runs under the failover protocol (the same answer on every rank:
+        it depends on the configuration and the call only, never on local plane state).
+
+        Protection pays for a completion round, and for in-place reductions a
+        copy of the input, so it applies only where a network plane (one that
+        can fail while the processes live) may carry bytes and another plane
+        reaches every rank to take over.
+        """
+        if not self.options.failover or self.size == 1 or len(self._planes) < 2 or len(set(self.domains)) > 1:
+            return False
+        policy = self._policy
+        if policy == "adaptive":
+            carriers = {UP} if single_plane or nbytes < self._engine.controller.config.min_multipath_bytes else {UP, OUT}
+        elif policy in (UP, OUT):
+            carriers = {policy}
+        else:
+            carriers = {p for p, share in ((UP, policy), (OUT, 1.0 - policy)) if share > 0}
+        return any(self._planes[p].failable for p in carriers)
 
     def _avg(self, op, buf):
         return (lambda: finish_avg(buf, self.size)) if op == "avg" else None

@@ -114,6 +114,9 @@ class Options:
     trace: Optional[str] = None
     out_cap_share: float = 1.0
     fingerprint: bool = True
+    failover: bool = True  # retry a collective on the plane left when one fails
+    plane_timeout_s: float = 1.0  # heartbeat silence that marks a plane down
+    reprobe_s: float = 5.0  # how long a failed plane rests before a rejoin probe
 
 
 # option name -> (environment variable, parser)
@@ -133,6 +136,9 @@ _ENV = {
     "trace": ("MPCCS_TRACE", str),
     "out_cap_share": ("MPCCS_OUT_CAP", float),
     "fingerprint": ("MPCCS_FINGERPRINT", parse_bool),
+    "failover": ("MPCCS_FAILOVER", parse_bool),
+    "plane_timeout_s": ("MPCCS_PLANE_TIMEOUT", float),
+    "reprobe_s": ("MPCCS_REPROBE", float),
 }
 
 
@@ -173,6 +179,7 @@ def load_options(environ=None, **overrides) -> Options:
         raise ConfigError(f"chunk_bytes={opts.chunk_bytes} is below the 4096-byte minimum")
     if not 0.0 <= opts.out_cap_share <= 1.0:
         raise ConfigError(f"out_cap_share={opts.out_cap_share} is outside [0, 1]")
-    if opts.timeout_s <= 0:
-        raise ConfigError("timeout_s must be positive")
+    for name in ("timeout_s", "plane_timeout_s", "reprobe_s"):
+        if getattr(opts, name) <= 0:
+            raise ConfigError(f"{name} must be positive")
     return opts

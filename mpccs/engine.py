@@ -30,7 +30,8 @@ import numpy as np
 from . import wire
 from .algorithms.schedule import Flow, Schedule, Stage
 from .fingerprint import Fingerprint
-from .errors import MismatchError, MpccsError, OperationTimeout, ProtocolError, TransportError
+from .errors import MismatchError, MpccsError, OperationTimeout, PlaneFailure, ProtocolError, TransportError
+from .health import PlaneHealth
 from .reduce import reduce_into
 from .telemetry import wall
 from .windows import OUT, UP, FlowCursor, boundary_for, chunk_count, chunk_range, flow_chunk_elems
@@ -121,6 +122,11 @@ class Splitter:
         self.window_bytes = window_bytes
         self.controller = controller
         self.cache = cache
+
+    def without(self, down) -> "Splitter":
+        """The same policy on the planes that are not down."""
+        live = {n: p for n, p in self.planes.items() if n not in down}
+        return Splitter(self.policy, live, self.window_bytes, self.controller, self.cache)
 
     def reach(self, peer: int) -> tuple[bool, bool]:
         up = self.planes.get(UP)
@@ -410,8 +416,22 @@ def local_plan(schedule: Schedule, rank: int) -> LocalPlan:
 class CollectiveOp(Operation):
     def __init__(self, engine, seq, schedule: Schedule, buffers: dict, dtype, op: str,
                  splitter: Splitter, chunk_bytes: int, name: str, finalize: Optional[Callable] = None,
-                 fingerprint=None):
+                 fingerprint=None, protected: bool = False, snapshot: Optional[np.ndarray] = None):
         super().__init__(engine, seq)
+        # Failover (docs/reliability.md): a protected operation completes only
+        # once every rank has all its data (the DONE round), so no rank has
+        # handed its buffers back while another may still need a retry; on a
+        # plane failure every rank quiesces the attempt and runs it again on
+        # the planes left, from its intact inputs (``snapshot`` restores an
+        # in-place input).
+        self.protected = protected
+        self.snapshot = snapshot
+        self.attempt = 0
+        self.wire_seq = wire.attempt_seq(seq, 0)
+        self.phase = "run"  # run -> (finish) -> done; quiesce -> run on a plane failure
+        self.failover: Optional[dict] = None
+        self.events: list[dict] = []
+        self.others = tuple(r for r in range(schedule.world) if r != engine.rank)
         self.name = name
         self.fingerprint = fingerprint  # mpccs.fingerprint.Fingerprint, or None (checks off)
         self.schedule = schedule
@@ -427,14 +447,7 @@ class CollectiveOp(Operation):
         self.finalize = finalize
         rank = engine.rank
         self.rank = rank
-        self.active: list[StageRun] = []
         self.stage_log: list[dict] = []
-        self.out_chunks: list = []  # (req, outflow, plane, nbytes, t_post, stagerun)
-        self.in_chunks: list = []  # (req, inflow, index, scratch, stagerun, plane, nbytes)
-        self.inflight = {UP: 0, OUT: 0}
-        self.window = dict(splitter.window_bytes)
-        self.stages_done = 0
-        self._plan_memo: dict = {}
         self._prepare()
 
     # -- setup ------------------------------------------------------------
@@ -445,6 +458,18 @@ class CollectiveOp(Operation):
         self._fp_sends, self._fp_recvs = [], []
         if self.fingerprint is not None and self.fp_peers:
             self._exchange_fingerprints()
+        self._begin_attempt()
+
+    def _begin_attempt(self) -> None:
+        """Fresh per-attempt state; the inputs are intact here (first run or restored)."""
+        local = local_plan(self.schedule, self.rank)
+        self.active: list[StageRun] = []
+        self.out_chunks: list = []  # (req, outflow, plane, nbytes, t_post, stagerun)
+        self.in_chunks: list = []  # (req, inflow, index, scratch, stagerun, plane, nbytes)
+        self.inflight = {UP: 0, OUT: 0}
+        self.window = dict(self.splitter.window_bytes)
+        self.stages_done = 0
+        self._plan_memo: dict = {}
         self.remaining_deps = dict(local.dep_counts)
         self.dependents = local.dependents
         self.stage_by_id = local.stage_by_id
@@ -456,11 +481,11 @@ class CollectiveOp(Operation):
         engine, cid, me = self.engine, self.engine.comm_id, self.rank
         self._fp_words = self.fingerprint.encode()
         for peer in self.fp_peers:
-            tag = wire.make_tag(wire.KIND_CTRL, cid, self.seq, me, wire.CTRL_FINGERPRINT)
+            tag = wire.make_tag(wire.KIND_CTRL, cid, self.wire_seq, me, wire.CTRL_FINGERPRINT)
             self._fp_sends.append(engine.control_plane(peer).send(peer, self._fp_words.view(np.uint8), tag))
         self._fp_bufs = np.zeros((len(self.fp_peers), 2), dtype=np.uint64)
         for row, peer in enumerate(self.fp_peers):
-            tag = wire.make_tag(wire.KIND_CTRL, cid, self.seq, peer, wire.CTRL_FINGERPRINT)
+            tag = wire.make_tag(wire.KIND_CTRL, cid, self.wire_seq, peer, wire.CTRL_FINGERPRINT)
             req = engine.control_plane(peer).recv(self._fp_bufs[row].view(np.uint8), tag)
             self._fp_recvs.append((req, peer, row))
 
@@ -518,14 +543,14 @@ class CollectiveOp(Operation):
             for f in mine_out:
                 view = self.buffers[f.src_buf][f.src_off : f.src_off + f.count]
                 ce = flow_chunk_elems(f.count, self.plan_chunk_elems, self.min_chunk_elems)
-                tag = wire.make_tag(wire.KIND_COLL, comm_id, self.seq, f.id)
+                tag = wire.make_tag(wire.KIND_COLL, comm_id, self.wire_seq, f.id)
                 outs.append(OutFlow(f, view, ce, plan.splits[f.id], tag, self.splitter.reach(f.dst)))
         ins = []
         for f in mine_in:
             view = self.buffers[f.dst_buf][f.dst_off : f.dst_off + f.count]
             ce = flow_chunk_elems(f.count, self.plan_chunk_elems, self.min_chunk_elems)
-            ins.append(InFlow(f, view, ce, wire.make_tag(wire.KIND_COLL, comm_id, self.seq, f.id),
-                              self.engine.planes_to(f.src)))
+            ins.append(InFlow(f, view, ce, wire.make_tag(wire.KIND_COLL, comm_id, self.wire_seq, f.id),
+                              self.engine.planes_from(f.src)))
         self.active.append(StageRun(stage, outs, ins, plan, now))
 
     def _plan_stage(self, sized, now) -> StagePlan:
@@ -552,6 +577,18 @@ class CollectiveOp(Operation):
 
     # -- progress -----------------------------------------------------------
     def _advance(self) -> bool:
+        notices = self.engine.failover_notices
+        if notices and self.phase != "quiesce" and self.wire_seq in notices:
+            self._enter_quiesce(*notices[self.wire_seq])
+        if self.phase == "quiesce":
+            return self._advance_quiesce()
+        try:
+            return self._advance_finish() if self.phase == "finish" else self._advance_run()
+        except PlaneFailure as exc:
+            self._enter_quiesce(exc.plane, str(exc), self.rank)
+            return True
+
+    def _advance_run(self) -> bool:
         moved = self._check_fingerprints()
         moved |= self._start_ready_stages()
         moved |= self._post_receives()
@@ -560,9 +597,116 @@ class CollectiveOp(Operation):
         moved |= self._post_sends()
         moved |= self._retire_stages()
         if self.stages_done == len(self.schedule.stages) and not self.ready and not self._fp_recvs:
-            self._complete()
+            if self.protected and self.others:
+                self._enter_finish()
+            else:
+                self._complete()
             return True
         return moved
+
+    # -- completion agreement and failover ----------------------------------
+    def _enter_finish(self) -> None:
+        self.phase = "finish"
+        self._done_from: set = set()
+        for peer in self.others:
+            self.engine.send_ctrl(peer, self.wire_seq, wire.CTRL_DONE)
+
+    def _advance_finish(self) -> bool:
+        got = self.engine.take_ctrl(self.wire_seq, wire.CTRL_DONE)
+        self._done_from.update(sender for sender, _ in got)
+        if self._done_from.issuperset(self.others):
+            self._complete()
+            return True
+        return bool(got)
+
+    def plane_failed(self, plane: str, reason: str) -> None:
+        """The engine's heartbeat found ``plane`` silent under this operation."""
+        if self.phase != "quiesce":
+            try:
+                self._enter_quiesce(plane, reason, self.rank)
+            except BaseException as exc:  # noqa: BLE001 - recorded, re-raised by wait()
+                self._fail(exc)
+
+    def _enter_quiesce(self, plane: str, reason: str, origin: int) -> None:
+        stage = sorted(r.stage.id for r in self.active)
+        if self.attempt > 0 or not self.engine.can_take_over(plane, self.others):
+            message = (f"plane {plane!r} failed during {self.name} #{self.seq} ({reason}) and "
+                       + ("its retry failed too" if self.attempt else "no other plane reaches every rank"))
+            self.engine.broadcast_abort(self.others, self.wire_seq, message)
+            raise TransportError(message, rank=self.rank, plane=plane, op=self.name, stage=stage)
+        now = time.perf_counter()
+        self.failover = {"plane": plane, "reason": reason, "detected_by": origin, "stage": stage,
+                         "failed_seq": self.wire_seq, "t_wall": wall(now)}
+        self._t_failover = now
+        self.events.append({"kind": "plane_failure", "plane": plane, "op": self.name, "seq": self.seq,
+                            "stage": stage, "reason": reason, "detected_by": origin})
+        self.engine.fail_plane(plane, reason, self.wire_seq, self.others)
+        self.phase = "quiesce"
+        self._quiesce_sent = False
+        self._quiesced_from: set = set()
+
+    def _advance_quiesce(self) -> bool:
+        """Stop posting; let every posted request finish (those on the failed
+        plane were cancelled); discard what peers sent for this attempt; tell
+        every rank; when every rank has said so, run the attempt again."""
+        moved = self._reap_quiescing()
+        moved |= self.engine.drain(self.wire_seq)
+        if not self._quiesce_sent and not self.in_chunks and not self.out_chunks:
+            for peer in self.others:
+                self.engine.send_ctrl(peer, self.wire_seq, wire.CTRL_QUIESCED)
+            self._quiesce_sent = moved = True
+        got = self.engine.take_ctrl(self.wire_seq, wire.CTRL_QUIESCED)
+        self._quiesced_from.update(sender for sender, _ in got)
+        if self._quiesce_sent and self._quiesced_from.issuperset(self.others):
+            # Control messages are ordered per endpoint: every FAILOVER and
+            # chunk a peer sent for this attempt is queued before its QUIESCED.
+            self.engine.poll_failovers()
+            self.engine.drain(self.wire_seq)
+            self.engine.failover_notices.pop(self.wire_seq, None)
+            self._retry()
+            return True
+        return moved or bool(got)
+
+    def _reap_quiescing(self) -> bool:
+        """Forget finished requests; park those on a downed plane (a dead link
+        may never complete even a cancelled request, and its endpoints are
+        closed, so nothing more lands in the buffers they name)."""
+        before = len(self.in_chunks) + len(self.out_chunks)
+        down = self.engine.health.down
+        still_in = []
+        for item in self.in_chunks:
+            req, scratch, plane = item[0], item[3], item[5]
+            if req.completed:
+                if scratch is not None:
+                    self.engine.release_scratch(scratch)
+            elif plane.name in down:
+                self.engine.park(req, scratch)  # the scratch chunk is never reused
+            else:
+                still_in.append(item)
+        self.in_chunks = still_in
+        still_out = []
+        for item in self.out_chunks:
+            req, plane = item[0], item[2]
+            if req.completed:
+                continue
+            if plane.name in down:
+                self.engine.park(req, item[1].view)
+            else:
+                still_out.append(item)
+        self.out_chunks = still_out
+        return len(self.in_chunks) + len(self.out_chunks) < before
+
+    def _retry(self) -> None:
+        self.attempt += 1
+        self.wire_seq = wire.attempt_seq(self.seq, self.attempt)
+        self.splitter = self.splitter.without(self.engine.health.down)
+        if self.snapshot is not None:
+            np.copyto(self.buffers["in"], self.snapshot)
+        self.failover.update(retry_seq=self.wire_seq, retry_planes=sorted(self.splitter.planes),
+                             quiesce_s=round(time.perf_counter() - self._t_failover, 4))
+        self.events.append({"kind": "retry", "op": self.name, "seq": self.seq, "planes": sorted(self.splitter.planes)})
+        self._begin_attempt()
+        self.phase = "run"
 
     def _post_receives(self) -> bool:
         moved = False
@@ -657,7 +801,12 @@ class CollectiveOp(Operation):
         offset, nelems = chunk_range(index, outflow.flow.count, outflow.chunk_elems)
         nbytes = nelems * self.itemsize
         view = outflow.view[offset : offset + nelems].view(np.uint8)
-        req = plane.send(outflow.peer, view, outflow.tag_base | index)
+        try:
+            req = plane.send(outflow.peer, view, outflow.tag_base | index)
+        except TransportError as exc:  # the plane's endpoint is gone
+            cls = PlaneFailure if self.protected and plane.failable else TransportError
+            raise cls(exc.message, rank=self.rank, plane=plane.name, peer=outflow.peer, op=self.name,
+                      stage=run.stage.id) from exc
         outflow.pending += 1
         self.inflight[plane.name] += nbytes
         self.bytes_per_plane[plane.name] += nbytes
@@ -699,7 +848,8 @@ class CollectiveOp(Operation):
         try:
             req.check_error()
         except Exception as exc:
-            raise TransportError(
+            cls = PlaneFailure if self.protected and plane.failable else TransportError
+            raise cls(
                 f"{type(exc).__name__}: {exc}", rank=self.rank, plane=plane.name, peer=peer,
                 op=self.name, stage=run.stage.id,
             ) from exc
@@ -727,6 +877,8 @@ class CollectiveOp(Operation):
             algorithm=self.schedule.algorithm, channels=self.schedule.channels,
             policy=_policy_name(self.splitter.policy), stages=self.stage_log,
         )
+        if self.attempt or self.events:
+            out.update(attempts=self.attempt + 1, failover=self.failover, events=list(self.events))
         return out
 
 
@@ -911,7 +1063,8 @@ class RecvOp(Operation):
 # the engine
 # ---------------------------------------------------------------------------
 class Engine:
-    def __init__(self, rank: int, comm_id: int, planes: dict, controller=None):
+    def __init__(self, rank: int, comm_id: int, planes: dict, controller=None,
+                 plane_timeout_s: float = 1.0, reprobe_s: float = 5.0):
         self.rank = rank
         self.comm_id = comm_id
         self.planes = planes  # name -> Plane (only the enabled ones)
@@ -923,17 +1076,104 @@ class Engine:
         self._poller = None
         self.decisions = DecisionCache()
         self.liveness: Optional[Callable[[], list]] = None  # returns ranks known to be gone
+        self.health = PlaneHealth(rank, comm_id, planes, plane_timeout_s, reprobe_s)
+        self.failover_notices: dict[int, tuple] = {}  # attempt seq -> (plane, reason, sender)
+        self._failovers_sent: dict[int, str] = {}
+        self._ctrl_sends: list = []
+        self._parked: list = []
 
     def planes_to(self, peer: int) -> list:
         return [p for p in self.planes.values() if p.reaches(peer)]
 
+    def park(self, request, buffer) -> None:
+        """Keep a request abandoned on a failed plane, and its buffer, alive until UCX lets go."""
+        self._parked = [(r, b) for r, b in self._parked if not r.completed]
+        self._parked.append((request, buffer))
+
+    def planes_from(self, peer: int) -> list:
+        """Where a receiver looks for a peer's chunks: every plane it ever knew
+        the peer on, down ones included (the peer may have rejoined already)."""
+        return [p for p in self.planes.values() if p.knows(peer)]
+
     def control_plane(self, peer: int):
-        """Small control messages take the lowest-latency plane reaching the peer."""
+        """Small control messages take the lowest-latency live plane reaching the peer."""
         for name in (UP, OUT):
             plane = self.planes.get(name)
-            if plane is not None and plane.reaches(peer):
+            if plane is not None and name not in self.health.down and plane.reaches(peer):
                 return plane
-        raise TransportError("no plane reaches this peer", rank=self.rank, peer=peer)
+        raise TransportError("no live plane reaches this peer", rank=self.rank, peer=peer)
+
+    # -- small control messages (completion agreement, failover) ------------
+    def send_ctrl(self, peer: int, seq: int, kind: int, payload: bytes = b"\0") -> None:
+        buf = np.frombuffer(payload, dtype=np.uint8).copy()
+        tag = wire.make_tag(wire.KIND_CTRL, self.comm_id, seq, self.rank, kind)
+        self._ctrl_sends = [(r, b) for r, b in self._ctrl_sends if not r.completed]
+        self._ctrl_sends.append((self.control_plane(peer).send(peer, buf, tag), buf))
+
+    def take_ctrl(self, seq: int, kind: int) -> list[tuple[int, bytes]]:
+        """(sender, payload) of every control message of this type and seq that arrived."""
+        tag = wire.make_tag(wire.KIND_CTRL, self.comm_id, seq, 0, kind)
+        got = []
+        for plane in self.planes.values():
+            while True:
+                probe = plane.probe(tag, wire.ctrl_any_sender_mask())
+                if probe is None:
+                    break
+                got.append((wire.split_tag(probe.sender_tag.value)[3], self._receive_small(plane, probe)))
+        return got
+
+    def _receive_small(self, plane, probe) -> bytes:
+        buf = np.zeros(max(1, int(probe.length)), dtype=np.uint8)
+        req = plane.recv_probed(buf[: int(probe.length)], probe)
+        deadline = time.perf_counter() + 5
+        while not req.completed and time.perf_counter() < deadline:
+            plane.progress()
+        return bytes(buf[: int(probe.length)])
+
+    def drain(self, seq: int) -> bool:
+        """Discard every chunk and DONE of a failed attempt that reached any plane."""
+        tag = wire.make_tag(wire.KIND_COLL, self.comm_id, seq, 0, 0)
+        moved = False
+        for plane in self.planes.values():
+            while True:
+                probe = plane.probe(tag, wire.stream_any_chunk_mask())
+                if probe is None:
+                    break
+                self.discard(plane, probe)
+                moved = True
+        return bool(self.take_ctrl(seq, wire.CTRL_DONE)) or moved
+
+    # -- plane failover --------------------------------------------------------
+    def can_take_over(self, failed: str, peers) -> bool:
+        """Another live plane reaches every peer, so an attempt can run again without ``failed``."""
+        planes = [p for n, p in self.planes.items() if n != failed and n not in self.health.down]
+        return any(all(p.reaches(q) for q in peers) for p in planes)
+
+    def fail_plane(self, name: str, reason: str, seq: int, peers) -> None:
+        """Mark a plane down here and tell every rank that attempt ``seq`` must stop."""
+        self.health.mark_down(name, reason, time.perf_counter())
+        if seq in self._failovers_sent:
+            return
+        if len(self._failovers_sent) > 64:
+            self._failovers_sent.clear()
+        self._failovers_sent[seq] = name
+        payload = (name + "\0" + reason[:ABORT_REASON_MAX]).encode()
+        for peer in peers:
+            try:
+                self.send_ctrl(peer, seq, wire.CTRL_FAILOVER, payload)
+            except TransportError:
+                pass  # no live plane reaches it: its own watchdog will fire
+
+    def poll_failovers(self) -> None:
+        tag = wire.make_tag(wire.KIND_CTRL, self.comm_id, 0, 0, wire.CTRL_FAILOVER)
+        for plane in self.planes.values():
+            while True:
+                probe = plane.probe(tag, wire.ctrl_any_seq_mask())
+                if probe is None:
+                    break
+                _, _, seq, sender, _ = wire.split_tag(probe.sender_tag.value)
+                name, _, reason = self._receive_small(plane, probe).decode(errors="replace").partition("\0")
+                self.failover_notices[seq] = (name, f"rank {sender}: {reason}", sender)
 
     def scratch(self, nbytes: int) -> np.ndarray:
         size = 1 << max(12, (nbytes - 1).bit_length())
@@ -984,6 +1224,19 @@ class Engine:
             cls = MismatchError if "called" in reason else TransportError
             return cls(f"rank {sender} aborted operation #{seq}: {reason}")
         return None
+
+    def _watch_planes(self, op: Operation, stalled: float, now: float) -> None:
+        """While an operation stalls: answer heartbeats, learn of failovers, and
+        for a protected collective find a plane that went silent."""
+        self.health.serve()
+        self.poll_failovers()
+        if (isinstance(op, CollectiveOp) and op.protected and op.phase == "run"
+                and stalled > self.health.timeout_s):
+            verdict = self.health.check(op.fp_peers, now, key=(op.seq, op.attempt))
+            if verdict is not None:
+                plane, peer = verdict
+                op.plane_failed(plane, f"no answer on plane {plane!r} from rank {peer} for "
+                                       f"{self.health.timeout_s:g} s while another plane answered")
 
     def _lost_peers(self, op: Operation) -> Optional[TransportError]:
         """A stalled operation checks whether a peer's process is gone (see Communicator liveness)."""
@@ -1051,6 +1304,7 @@ class Engine:
             stalled = op.stalled_for(now)
             if stalled > ABORT_POLL_AFTER_S and now >= next_abort_poll:
                 next_abort_poll = now + ABORT_POLL_AFTER_S
+                self._watch_planes(op, stalled, now)
                 error = self.poll_aborts()
                 if error is None and stalled > LIVENESS_AFTER_S and now >= next_liveness:
                     next_liveness = now + LIVENESS_AFTER_S

@@ -20,12 +20,17 @@ class TransportError(MpccsError):
 
     def __init__(self, message: str, *, rank=None, plane=None, peer=None, op=None, stage=None):
         self.rank, self.plane, self.peer, self.op, self.stage = rank, plane, peer, op, stage
+        self.message = message
         where = ", ".join(
             f"{k}={v}"
             for k, v in (("rank", rank), ("plane", plane), ("peer", peer), ("op", op), ("stage", stage))
             if v is not None
         )
         super().__init__(f"{message} ({where})" if where else message)
+
+
+class PlaneFailure(TransportError):
+    """One plane stopped working under an operation; another may take over."""
 
 
 class OperationTimeout(TransportError):

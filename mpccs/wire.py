@@ -29,6 +29,22 @@ CTRL_P2P_HEADER = 1
 CTRL_P2P_REPLY = 2
 CTRL_FINGERPRINT = 3
 CTRL_BARRIER = 4
+CTRL_ABORT = 5
+# plane failover (docs/reliability.md)
+CTRL_FAILOVER = 6  # "plane P failed during attempt seq": every rank quiesces that attempt
+CTRL_QUIESCED = 7  # "I have stopped posting for attempt seq and my requests are done"
+CTRL_DONE = 8  # "every flow I receive in attempt seq has arrived" (completion agreement)
+CTRL_PING = 9  # a plane heartbeat; seq carries a nonce
+CTRL_PONG = 10
+
+# A collective's wire sequence number: the low 13 bits of its operation
+# number, and the top bit set on its retry, so no chunk of a failed attempt
+# can ever be taken for one of the retry.
+RETRY_BIT = 1 << (SEQ_BITS - 1)
+
+
+def attempt_seq(seq: int, attempt: int) -> int:
+    return (seq % RETRY_BIT) | (RETRY_BIT if attempt else 0)
 
 
 def make_tag(kind: int, comm: int, seq: int, mid: int, low: int = 0) -> int:
@@ -41,4 +57,18 @@ def split_tag(tag: int) -> tuple[int, int, int, int, int]:
 
 def chunk_index(tag: int) -> int:
     return tag & LOW_MASK
-CTRL_ABORT = 5
+
+
+def ctrl_any_sender_mask() -> int:
+    """Match one control type of one sequence number from any sender."""
+    return FULL_MASK ^ ((MAX_FLOWS - 1) << 20)
+
+
+def ctrl_any_seq_mask() -> int:
+    """Match one control type from any sender with any sequence number."""
+    return FULL_MASK ^ (((SEQ_MOD - 1) << 40) | ((MAX_FLOWS - 1) << 20))
+
+
+def stream_any_chunk_mask() -> int:
+    """Match every data message of one sequence number (any flow, any chunk)."""
+    return FULL_MASK ^ ((MAX_FLOWS - 1) << 20) ^ LOW_MASK

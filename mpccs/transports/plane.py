@@ -63,6 +63,8 @@ class Plane:
                 rank=rank, plane=name,
             ) from exc
         self._endpoints: dict[int, object] = {}
+        self._addresses: dict[int, bytes] = {}  # kept so a failed plane can reconnect
+        self._severed: set[int] = set()  # fault injection: see sever()
         tl_names = {t.lstrip("^").split(":")[0] for t in tls.split(",")}
         self.error_handling = not tl_names <= _SHM_ONLY
         self.closed = False
@@ -73,6 +75,7 @@ class Plane:
         return bytes(self._worker.address)
 
     def connect(self, peer: int, address: bytes) -> None:
+        self._addresses[peer] = address
         addr = ucx_api.UCXAddress.create_from_buffer(address)
         try:
             self._endpoints[peer] = ucx_api.UCXEndpoint.create_from_worker_address(
@@ -82,7 +85,21 @@ class Plane:
             raise TransportError(f"cannot connect: {exc}", rank=self.rank, plane=self.name, peer=peer) from exc
 
     def reaches(self, peer: int) -> bool:
-        return peer in self._endpoints
+        return peer in self._endpoints or peer in self._severed
+
+    def knows(self, peer: int) -> bool:
+        """The peer was wired on this plane, even if its endpoint is closed now
+        (a receiver still looks there: a peer that rejoined may send on it)."""
+        return peer in self._addresses
+
+    @property
+    def known_peers(self) -> list[int]:
+        return sorted(self._addresses)
+
+    @property
+    def failable(self) -> bool:
+        """A network plane: it can fail while both processes live, and another plane may take over."""
+        return self.error_handling
 
     @property
     def peers(self) -> list[int]:
@@ -93,7 +110,8 @@ class Plane:
         try:
             ep = self._endpoints[peer]
         except KeyError:
-            raise TransportError("plane does not reach this peer", rank=self.rank, plane=self.name, peer=peer) from None
+            what = "endpoint was closed under the operation" if peer in self._severed else "plane does not reach this peer"
+            raise TransportError(what, rank=self.rank, plane=self.name, peer=peer) from None
         return ep.tag_send(Array(view), ucx_api.UCXXTag(tag))
 
     def probe(self, tag: int, mask: int):
@@ -123,6 +141,45 @@ class Plane:
             self._worker.cancel_inflight_requests()
         except Exception:  # a failed plane may refuse; nothing more to reclaim
             pass
+
+    def fail(self) -> None:
+        """Take the plane down: cancel its requests, then close its endpoints.
+
+        Cancelling first matters: UCX (through ucxx) crashes when an endpoint
+        closes under requests still posted on it. The worker stays open, so
+        messages that already arrived can still be probed and discarded, and
+        reconnect() can bring the plane back.
+        """
+        self.cancel_all()
+        for _ in range(64):
+            self._worker.progress()
+        for ep in self._endpoints.values():
+            try:
+                ep.close()
+            except Exception:
+                pass
+        self._endpoints.clear()
+        self._severed.clear()
+        for _ in range(16):
+            self._worker.progress()
+
+    def sever(self) -> None:
+        """Fault injection (tests, soak): close every endpoint under the engine's feet.
+
+        The engine still believes the plane reaches its peers; its next send
+        there fails as a dead link's would once UCX reports it, and peers see
+        the connection drop. What a test without root can do in place of
+        pulling a cable (the testbed's link failure needs network namespaces).
+        """
+        peers = set(self._endpoints)
+        self.fail()
+        self._severed = peers
+
+    def reconnect(self, peer: int) -> None:
+        """A fresh endpoint to a peer whose endpoint fail() closed."""
+        if peer not in self._endpoints and peer in self._addresses:
+            self.connect(peer, self._addresses[peer])
+            self._severed.discard(peer)
 
     # -- introspection ----------------------------------------------------
     def resources(self) -> list[str]:

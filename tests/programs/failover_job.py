@@ -1,0 +1,104 @@
+"""Rank 1's scale-out link goes down in the middle of a collective; every rank checks the result.
+
+    failover_job.py NBYTES COLLECTIVE...
+
+MPCCS_TEST_FAIL_CMD / MPCCS_TEST_RESTORE_CMD are shell commands that take the
+link down and bring it back (on the testbed: the switch port); without them
+(no root) rank 1 closes its own scale-out endpoints instead. Per collective,
+rank 1 starts the operation, lets it move bytes, fails the link, and every
+rank waits: the result must equal the reference and the retry must have run
+on 'up' only. Then the link returns and the job runs until 'out' carries
+bytes again. Each rank prints one RESULT line (JSON).
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+import mpccs
+
+FAIL = os.environ.get("MPCCS_TEST_FAIL_CMD")
+RESTORE = os.environ.get("MPCCS_TEST_RESTORE_CMD")
+
+
+def inputs(name, rank, size, n):
+    """(send, recv, expected) for this rank; contents differ per rank and position."""
+    def data(r):
+        return (np.arange(n, dtype=np.int64) * (r + 3) + r) % 1000
+
+    if name == "all_reduce":
+        return data(rank), np.empty(n, np.int64), sum(data(r) for r in range(size))
+    if name == "all_reduce_inplace":
+        buf = data(rank)
+        return buf, None, sum(data(r) for r in range(size))
+    if name == "all_gather":
+        return data(rank), np.empty(n * size, np.int64), np.concatenate([data(r) for r in range(size)])
+    if name == "all_to_all":
+        block = n // size
+        expected = np.concatenate([data(r)[rank * block:(rank + 1) * block] for r in range(size)])
+        return data(rank)[: block * size], np.empty(block * size, np.int64), expected
+    raise ValueError(name)
+
+
+def fail_link(comm):
+    if FAIL:
+        subprocess.run(FAIL, shell=True, check=True)
+    else:
+        comm._planes["out"].sever()  # without root: this rank's scale-out endpoints close under it
+
+
+def restore_link():
+    if RESTORE:
+        subprocess.run(RESTORE, shell=True, check=True)
+
+
+def run(comm, name, n):
+    send, recv, expected = inputs(name, comm.rank, comm.size, n)
+    comm.barrier()
+    call = getattr(comm, name.replace("_inplace", ""))
+    work = call(send, recv, async_op=True)
+    if comm.rank == 1:
+        # Fail once this rank has bytes in flight on 'out': mid-operation by construction.
+        while work._op.bytes_per_plane["out"] == 0 and not work.is_completed():
+            pass
+        fail_link(comm)
+
+    work.wait()
+    stats = work.stats()
+    row = {"collective": name, "exact": bool(np.array_equal(send if recv is None else recv, expected)),
+           "attempts": stats.get("attempts", 1), "failover": stats.get("failover"),
+           "events": [e["kind"] for e in stats.get("events", [])]}
+    if comm.rank == 1:
+        restore_link()
+    # Later operations: the plane rejoins after the reprobe period and carries bytes again.
+    rejoined_after = None
+    deadline = time.monotonic() + 30
+    i = 0
+    while time.monotonic() < deadline:
+        i += 1
+        send2, recv2, expected2 = inputs(name, comm.rank, comm.size, n)
+        call(send2, recv2)
+        assert np.array_equal(send2 if recv2 is None else recv2, expected2), f"wrong result after the failover ({name} #{i})"
+        out_bytes = np.array([comm.last_stats()["bytes_per_plane"]["out"]], np.int64)
+        comm.all_reduce(out_bytes, op="min")  # every rank sent on 'out' again
+        if out_bytes[0] > 0:
+            rejoined_after = i
+            break
+        time.sleep(0.2)
+    row["rejoined_after_ops"] = rejoined_after
+    return row
+
+
+def main():
+    n = int(sys.argv[1])
+    comm = mpccs.init(path_policy=0.5, reprobe_s=1.0, timeout_s=30)
+    rows = [run(comm, name, n) for name in sys.argv[2:]]
+    print("RESULT " + json.dumps({"rank": comm.rank, "rows": rows}), flush=True)
+    comm.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""A plane dies under a collective: the operation completes correctly on the
+plane that is left, on every rank, and the plane rejoins once it is back.
+
+Two ways to kill the scale-out plane of rank 1 in the middle of an operation
+(tests/programs/failover_job.py does the operation and the checks):
+- without root: rank 1 closes its own scale-out endpoints (Plane.sever), so
+  its next send fails and its peer's connection drops: the UCX error path;
+- on the testbed (root, network namespaces): rank 1's switch port goes down,
+  which UCX does not report at all (tcp retransmits): the heartbeat path.
+Each asserts, per collective: the result is exactly the reference, the
+operation ran twice (the retry used only 'up'), telemetry names the failed
+plane, and later operations put bytes on 'out' again after the rejoin.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mpccs.testbed import Cluster, TestbedUnavailable, check_available
+
+BIN = os.path.dirname(sys.executable)
+JOB = os.path.join(os.path.dirname(__file__), "programs", "failover_job.py")
+COLLECTIVES = ["all_reduce", "all_reduce_inplace", "all_gather", "all_to_all"]
+
+
+def clean_env():
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_", "MPCCS_"))}
+
+
+def results(lines) -> dict:
+    rows = {}
+    for line in lines:
+        if "RESULT " in line:
+            res = json.loads(line.split("RESULT ", 1)[1])
+            rows[res["rank"]] = res["rows"]
+    return rows
+
+
+def check_rows(rows_by_rank: dict, size: int, how: str) -> None:
+    assert sorted(rows_by_rank) == list(range(size)), rows_by_rank
+    for rank, rows in rows_by_rank.items():
+        assert [r["collective"] for r in rows] == COLLECTIVES
+        for row in rows:
+            where = f"rank {rank} {row['collective']}: {row}"
+            assert row["exact"], where
+            assert row["attempts"] == 2, where
+            assert row["failover"]["plane"] == "out" and row["failover"]["retry_planes"] == ["up"], where
+            assert how in row["failover"]["reason"], where
+            assert row["events"] == ["plane_failure", "retry"], where
+            assert row["rejoined_after_ops"] is not None, where
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_endpoint_closed_mid_operation(size):
+    p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", str(size), JOB, str(4 << 20), *COLLECTIVES],
+                       env=clean_env(), capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    check_rows(results(p.stdout.splitlines()), size, "endpoint was closed")
+
+
+try:
+    check_available()
+    SKIP = None
+except TestbedUnavailable as exc:  # not root, or iproute2 missing
+    SKIP = str(exc)
+
+
+@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+def test_link_down_mid_operation_on_the_testbed():
+    with Cluster(n=2, up="shm", out_rate="500mbit", log=lambda m: None) as cluster:
+        ns, dev = cluster._link_of(1, "out")
+        env = {"MPCCS_TEST_FAIL_CMD": f"ip -n {ns} link set {dev} down",
+               "MPCCS_TEST_RESTORE_CMD": f"ip -n {ns} link set {dev} up"}
+        run = cluster.run([sys.executable, JOB, str(16 << 20), *COLLECTIVES], env=env, timeout=240,
+                          stream=open(os.devnull, "w"))
+        lines = run.output[0] + run.output[1]
+        assert run.exit_code == 0, "\n".join(lines[-80:])
+        # No UCX error here: the heartbeat found the silent plane.
+        check_rows(results(lines), 2, "no answer on plane 'out'")
