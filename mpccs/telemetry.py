@@ -48,6 +48,10 @@ class Counters:
         for event in stats.get("events", []):
             if event.get("kind") == "plane_failure":
                 v[f"plane_failures_total{{plane=\"{event.get('plane')}\"}}"] += 1
+            elif event.get("kind") == "retry":
+                v["retries_total"] += 1
+            elif event.get("kind") == "plane_rejoined":
+                v[f"plane_rejoins_total{{plane=\"{event.get('plane')}\"}}"] += 1
 
     def as_dict(self) -> dict:
         return dict(self.values)

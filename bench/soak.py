@@ -1,0 +1,217 @@
+"""Soak: thousands of random collectives with scale-out failures injected.
+
+    python bench/soak.py -n 2 --ops 2000 [--seed 1] [--fail-rate 0.03] [--json out.json]
+
+Every rank draws the same sequence from the seed: collective, size, dtype,
+reduction op, path policy, in place or not. The first WARM_OPS operations
+sweep every (dtype, op) kernel and every collective once, so nothing compiles
+later; from then on, with probability --fail-rate per operation, one rank
+closes its scale-out endpoints in the middle of the operation (Plane.sever;
+the plane then fails over and rejoins after MPCCS_REPROBE). Each result is
+checked against a numpy reference (inputs are small integers, so sums, mins,
+maxes and products are exact in every dtype; avg within the dtype's rounding).
+Reports wrong results, hangs (no-progress timeouts), failovers, rejoins, and
+resident memory from operation WARM_OPS to the end; exits 1 on any wrong
+result or error, or (runs of 1000 operations or more) on memory growth over 10%.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+WARM_OPS = 100
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce")
+POLICIES = ("up", "out", 0.5, "adaptive")
+SIZES = (1, 3, 17, 1000, 4099, 65536, 300_000, 1 << 20)  # elements per rank block
+
+
+def dtypes():
+    from mpccs.reduce import SUPPORTED_DTYPES
+
+    return [np.dtype(d) for d in SUPPORTED_DTYPES]
+
+
+def ops_for(dtype) -> list[str]:
+    floating = dtype.kind == "f" or "bfloat16" in str(dtype)
+    return ["sum", "prod", "min", "max"] + (["avg"] if floating else [])
+
+
+def rss_bytes() -> int:
+    """Resident memory once garbage is collected and freed heap is handed back,
+    so what is measured is what the process holds, not where malloc's high-water
+    mark happened to be after the last large array."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def draw(rng, i: int, kinds: list) -> dict:
+    """Operation i: first every collective at the largest size and every
+    (dtype, op) kernel through a reduction, so all compiling and pool growth
+    happens before WARM_OPS; then random."""
+    spec = {"collective": COLLECTIVES[int(rng.integers(len(COLLECTIVES)))],
+            "count": int(rng.choice(SIZES)), "policy": POLICIES[int(rng.integers(len(POLICIES)))],
+            "inplace": bool(rng.integers(2)), "root": int(rng.integers(1 << 16)), "seed": int(rng.integers(1 << 30))}
+    dtype, op = kinds[int(rng.integers(len(kinds)))]
+    sweep = 2 * len(COLLECTIVES)
+    if i < sweep:
+        spec.update(collective=COLLECTIVES[i % len(COLLECTIVES)], count=SIZES[-1], policy=POLICIES[i % len(POLICIES)])
+    elif i < sweep + len(kinds):
+        dtype, op = kinds[i - sweep]
+        spec.update(collective=("all_reduce", "reduce_scatter", "reduce")[i % 3], inplace=bool(i % 2))
+    if spec["collective"] not in ("all_reduce", "reduce_scatter", "reduce"):
+        op = "sum"
+    return {**spec, "dtype": dtype, "op": op}
+
+
+def data(spec, rank: int, n: int) -> np.ndarray:
+    """Small integers: every reduction of up to 4 ranks is exact in every dtype (prod uses 1 and 2)."""
+    g = np.random.default_rng((spec["seed"], rank))
+    hi = 3 if spec["op"] == "prod" else 8
+    return g.integers(1, hi, n).astype(spec["dtype"])
+
+
+def reduce_ref(arrays, op: str, dtype):
+    wide = [a.astype(np.float64) for a in arrays]
+    if op in ("sum", "avg"):
+        out = np.sum(wide, axis=0)
+        if op == "avg":
+            out = out / len(arrays)
+    elif op == "prod":
+        out = np.prod(wide, axis=0)
+    else:
+        out = (np.min if op == "min" else np.max)(wide, axis=0)
+    return out.astype(dtype)
+
+
+def run_one(comm, spec, inject: bool) -> tuple[bool, dict]:
+    size, rank, n = comm.size, comm.rank, spec["count"]
+    name, op, dtype = spec["collective"], spec["op"], spec["dtype"]
+    root = spec["root"] % size
+    comm.set_path_policy(spec["policy"])
+    mine = [data(spec, r, n * size if name in ("reduce_scatter", "all_to_all") else n) for r in range(size)]
+    send = mine[rank].copy()
+    if name == "all_reduce":
+        expected, recv = reduce_ref(mine, op, dtype), (None if spec["inplace"] else np.empty_like(send))
+        work = comm.all_reduce(send, recv, op=op, async_op=True)
+    elif name == "reduce_scatter":
+        expected = reduce_ref(mine, op, dtype)[rank * n:(rank + 1) * n]
+        recv = np.empty(n, dtype)
+        work = comm.reduce_scatter(send, recv, op=op, async_op=True)
+    elif name == "all_gather":
+        expected, recv = np.concatenate(mine), np.empty(n * size, dtype)
+        work = comm.all_gather(send, recv, async_op=True)
+    elif name == "all_to_all":
+        expected = np.concatenate([m[rank * n:(rank + 1) * n] for m in mine])
+        recv = np.empty(n * size, dtype)
+        work = comm.all_to_all(send, recv, async_op=True)
+    elif name == "broadcast":
+        expected, recv = mine[root], None
+        work = comm.broadcast(send, root=root, async_op=True)
+    else:  # reduce
+        expected = reduce_ref(mine, op, dtype) if rank == root else None
+        recv = None if (spec["inplace"] or rank != root) else np.empty_like(send)
+        work = comm.reduce(send, recv, op=op, root=root, async_op=True)
+    if inject:
+        while work._op.bytes_per_plane["out"] == 0 and not work.is_completed():
+            pass
+        comm._planes["out"].sever()
+    work.wait()
+    stats = work.stats()
+    if expected is None:
+        return True, stats
+    got = send if recv is None else recv
+    if op == "avg":
+        ok = np.allclose(got.astype(np.float64), expected.astype(np.float64), rtol=1e-2, atol=1e-2)
+    else:
+        ok = np.array_equal(got, expected)
+    return bool(ok), stats
+
+
+def rank_main(args) -> int:
+    import mpccs
+
+    comm = mpccs.init(reprobe_s=args.reprobe, timeout_s=args.timeout)
+    rng = np.random.default_rng(args.seed)
+    kinds = [(d, o) for d in dtypes() for o in ops_for(d)]
+    summary = {"ops": args.ops, "ranks": comm.size, "seed": args.seed, "wrong": [], "errors": [],
+               "failures_injected": 0, "failovers": 0, "rejoins": 0}
+    rss_warm = None
+    t0 = time.monotonic()
+    for i in range(args.ops):
+        spec = draw(rng, i, kinds)
+        victim = int(rng.integers(comm.size))
+        inject = i >= WARM_OPS and rng.random() < args.fail_rate and comm.rank == victim
+        if i == WARM_OPS:
+            rss_warm = rss_bytes()
+        try:
+            ok, stats = run_one(comm, spec, inject)
+        except Exception as exc:  # noqa: BLE001 - reported, the soak stops
+            summary["errors"].append({"op": i, "spec": {**spec, "dtype": str(spec["dtype"])}, "error": repr(exc)})
+            break
+        summary["failures_injected"] += inject
+        if not ok:
+            summary["wrong"].append({"op": i, "spec": {**spec, "dtype": str(spec["dtype"])}})
+        if (i + 1) % 250 == 0:
+            summary.setdefault("rss_mib", []).append(round(rss_bytes() / 2**20, 1))
+        if comm.rank == 0 and (i + 1) % 100 == 0:
+            print(f"soak: {i + 1}/{args.ops} ops, {time.monotonic() - t0:.0f} s, wrong {len(summary['wrong'])}",
+                  flush=True)
+    comm.set_path_policy("up")
+    metrics = comm.metrics()
+    summary["failovers"] = sum(v for k, v in metrics.items() if k.startswith("retries_total"))
+    summary["rejoins"] = sum(v for k, v in metrics.items() if k.startswith("plane_rejoins_total"))
+    summary["seconds"] = round(time.monotonic() - t0, 1)
+    summary["rss_warm_mib"] = round((rss_warm or rss_bytes()) / 2**20, 1)
+    summary["rss_end_mib"] = round(rss_bytes() / 2**20, 1)
+    summary["rss_growth"] = round(summary["rss_end_mib"] / summary["rss_warm_mib"] - 1, 4)
+    print("SOAK " + json.dumps({"rank": comm.rank, **summary}), flush=True)
+    # Memory is judged on long runs only: over a few hundred operations the
+    # last caches still fill and the figure says nothing about leaks.
+    bad = summary["wrong"] or summary["errors"] or (args.ops >= 1000 and summary["rss_growth"] > 0.10)
+    if not summary["errors"]:
+        comm.close()
+    return 1 if bad else 0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("-n", "--np", type=int, default=2, help="ranks (2)")
+    p.add_argument("--ops", type=int, default=2000)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--fail-rate", type=float, default=0.03, help="chance per operation of a scale-out failure (0.03)")
+    p.add_argument("--reprobe", type=float, default=0.5, help="MPCCS_REPROBE for the run (0.5 s)")
+    p.add_argument("--timeout", type=float, default=30.0, help="no-progress timeout per operation (30 s)")
+    p.add_argument("--json", help="write every rank's summary here")
+    p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.rank:
+        sys.exit(rank_main(args))
+    cmd = [os.path.join(os.path.dirname(sys.executable), "mpccs-run"), "-n", str(args.np), sys.executable,
+           __file__, "--rank", "--ops", str(args.ops), "--seed", str(args.seed), "--fail-rate", str(args.fail_rate),
+           "--reprobe", str(args.reprobe), "--timeout", str(args.timeout)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    sys.stdout.write(proc.stdout)
+    sys.stderr.write(proc.stderr)
+    summaries = [json.loads(line.split("SOAK ", 1)[1]) for line in proc.stdout.splitlines() if "SOAK " in line]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summaries, f, indent=1)
+    sys.exit(proc.returncode)
+
+
+if __name__ == "__main__":
+    main()
