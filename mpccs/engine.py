@@ -37,6 +37,7 @@ from .telemetry import wall
 from .windows import OUT, UP, FlowCursor, boundary_for, chunk_count, chunk_range, flow_chunk_elems
 
 MIN_CHUNK_BYTES = 64 << 10
+FP_BYTES = 16  # a fingerprint's two uint64 words
 ABORT_REASON_MAX = 1024
 IDLE_SPINS_BEFORE_YIELD = 16
 MIN_SAMPLE_BYTES = 64 << 10  # smaller chunks measure latency and skew, not a link's rate
@@ -138,11 +139,14 @@ class Splitter:
         """Stealing is paced by send completions; only sound where they mean delivery."""
         return all(p.completion_means_delivery for p in self.planes.values())
 
-    def plan(self, flows: list[tuple[Flow, int]], now: float, chunk_bytes: Optional[int] = None) -> StagePlan:
-        """flows: (flow, nbytes) this rank sends in the stage."""
+    def plan(self, flows: list[tuple[Flow, int]], now: float, chunk_bytes: Optional[int] = None,
+             others: tuple = ()) -> StagePlan:
+        """flows: (flow, nbytes) this rank sends in the stage; others: the
+        stage's flows from other ranks, which the controller splits together
+        with ours (the coflow) from their piggybacked estimates."""
         if self.policy == "adaptive" and self.controller is not None:
             if sum(n for _, n in flows) >= self.controller.config.min_multipath_bytes:
-                return self._adaptive(flows, now, chunk_bytes)
+                return self._adaptive(flows, now, chunk_bytes, others)
             # Too small for a second plane to pay (the controller would say the
             # same, at the cost of a decision): the configured single plane.
             splits = {f.id: FlowSplit(nbytes, False) for f, nbytes in flows}
@@ -162,20 +166,20 @@ class Splitter:
         # 'up', and 'adaptive' without a controller: the single-plane default.
         return FlowSplit(nbytes, False)
 
-    def _adaptive(self, flows, now, chunk_bytes) -> StagePlan:
+    def _adaptive(self, flows, now, chunk_bytes, others=()) -> StagePlan:
         key = (tuple((f.dst, n) for f, n in flows), chunk_bytes)
         cached = self.cache.get(key) if self.cache is not None else None
         if cached is not None:
             splits = {f.id: s for (f, _), s in zip(flows, cached.splits)}
             return StagePlan(splits, cached.window_bytes, {**cached.reason, "reused": cached.uses}, key)
-        plan = self._decide(flows, now, chunk_bytes)
+        plan = self._decide(flows, now, chunk_bytes, others)
         if self.cache is not None:
             reason = {k: v for k, v in plan.reason.items() if k != "decision"}
             self.cache.put(key, _CachedDecision([plan.splits[f.id] for f, _ in flows], plan.window_bytes, reason))
             plan.cache_key = key
         return plan
 
-    def _decide(self, flows, now, chunk_bytes) -> StagePlan:
+    def _decide(self, flows, now, chunk_bytes, others=()) -> StagePlan:
         from .control import FlowDemand
 
         demands = []
@@ -183,6 +187,14 @@ class Splitter:
             up_ok, out_ok = self.reach(f.dst)
             planes = tuple(p for p, ok in ((UP, up_ok), (OUT, out_ok)) if ok)
             demands.append(FlowDemand(flow_id=f.id, src=f.src, dst=f.dst, nbytes=nbytes, planes=planes))
+        mine = flows[0][0].src if flows else None
+        for f, nbytes in others:
+            # Another rank's flow: the planes it can use, as far as this rank can
+            # tell (a plane that reaches both ends from here reaches between them).
+            planes = tuple(p for p in (UP, OUT) if p in self.planes
+                           and all(r == mine or self.planes[p].reaches(r) for r in (f.src, f.dst)))
+            if planes and nbytes:
+                demands.append(FlowDemand(flow_id=f.id, src=f.src, dst=f.dst, nbytes=nbytes, planes=planes))
         decision = self.controller.decide(demands, now, chunk_bytes=chunk_bytes)
         steal = decision.steal and self.can_steal
         splits = {
@@ -477,16 +489,29 @@ class CollectiveOp(Operation):
         self.ready = list(local.initial_ready)
 
     def _exchange_fingerprints(self) -> None:
-        """Send ours to, and expect theirs from, every peer this rank exchanges data with."""
+        """Send ours to, and expect theirs from, every peer this rank exchanges data with.
+
+        Under 'adaptive' the message also carries this rank's path estimates
+        (the controller's export, 13 bytes per plane and peer): piggybacked on
+        a message every operation sends anyway, one operation behind, so every
+        rank decides from the same numbers without an extra round trip.
+        """
         engine, cid, me = self.engine, self.engine.comm_id, self.rank
-        self._fp_words = self.fingerprint.encode()
+        payload = self.fingerprint.encode().view(np.uint8)
+        controller = engine.controller
+        self._fp_blob_cap = 0
+        if controller is not None and self.splitter.policy == "adaptive":
+            blob = controller.export_estimates(time.perf_counter())
+            payload = np.concatenate([payload, np.frombuffer(blob, dtype=np.uint8)])
+            self._fp_blob_cap = controller.blob_capacity(self.schedule.world - 1)
+        self._fp_payload = payload
         for peer in self.fp_peers:
             tag = wire.make_tag(wire.KIND_CTRL, cid, self.wire_seq, me, wire.CTRL_FINGERPRINT)
-            self._fp_sends.append(engine.control_plane(peer).send(peer, self._fp_words.view(np.uint8), tag))
-        self._fp_bufs = np.zeros((len(self.fp_peers), 2), dtype=np.uint64)
+            self._fp_sends.append(engine.control_plane(peer).send(peer, payload, tag))
+        self._fp_bufs = np.zeros((len(self.fp_peers), FP_BYTES + self._fp_blob_cap), dtype=np.uint8)
         for row, peer in enumerate(self.fp_peers):
             tag = wire.make_tag(wire.KIND_CTRL, cid, self.wire_seq, peer, wire.CTRL_FINGERPRINT)
-            req = engine.control_plane(peer).recv(self._fp_bufs[row].view(np.uint8), tag)
+            req = engine.control_plane(peer).recv(self._fp_bufs[row], tag)
             self._fp_recvs.append((req, peer, row))
 
     def _check_fingerprints(self) -> bool:
@@ -498,16 +523,29 @@ class CollectiveOp(Operation):
                 still.append((req, peer, row))
                 continue
             req.check_error()
-            theirs = Fingerprint.decode(self._fp_bufs[row])
+            theirs = Fingerprint.decode(self._fp_bufs[row][:FP_BYTES].view(np.uint64))
             diffs = self.fingerprint.differences(theirs)
             if diffs:
                 message = (f"rank {self.rank} called {self.fingerprint.describe()} as operation #{self.seq} but rank "
                            f"{peer} called {theirs.describe()} ({'; '.join(diffs)})")
                 self.engine.broadcast_abort(self.fp_peers, self.seq, message)
                 raise MismatchError(message)
+            if self._fp_blob_cap:
+                self._merge_estimates(peer, self._fp_bufs[row][FP_BYTES:])
             self.verified.add(peer)
         self._fp_recvs = still
         return len(still) < before
+
+    def _merge_estimates(self, peer: int, buf: np.ndarray) -> None:
+        controller = self.engine.controller
+        blob = bytes(buf)
+        n = controller.blob_length(blob)
+        if n == 0:
+            return  # the peer runs another policy this operation: nothing to merge
+        try:
+            controller.merge_estimates(peer, blob[:n])
+        except ValueError as exc:
+            raise ProtocolError(f"malformed path estimates: {exc}", rank=self.rank, peer=peer, op=self.name) from None
 
     def _run_copies(self, copies) -> None:
         for c in copies:
@@ -538,7 +576,8 @@ class CollectiveOp(Operation):
         outs = []
         if mine_out:
             sized = [(f, f.count * self.itemsize) for f in mine_out]
-            plan = self._plan_stage(sized, now)
+            others = [(f, f.count * self.itemsize) for f in stage.flows if f.src != self.rank]
+            plan = self._plan_stage(sized, now, others)
             self.window = plan.window_bytes
             for f in mine_out:
                 view = self.buffers[f.src_buf][f.src_off : f.src_off + f.count]
@@ -553,7 +592,7 @@ class CollectiveOp(Operation):
                               self.engine.planes_from(f.src)))
         self.active.append(StageRun(stage, outs, ins, plan, now))
 
-    def _plan_stage(self, sized, now) -> StagePlan:
+    def _plan_stage(self, sized, now, others=()) -> StagePlan:
         """The split of this rank's flows in a stage; decided once per operation
         for each distinct demand (a ring's 2(p-1) stages send the same bytes to
         the same peer: one controller decision serves them all, and only the
@@ -561,7 +600,7 @@ class CollectiveOp(Operation):
         key = tuple((f.dst, n) for f, n in sized)
         memo = self._plan_memo.get(key)
         if memo is None:
-            plan = self.splitter.plan(sized, now, self.plan_chunk_elems * self.itemsize)
+            plan = self.splitter.plan(sized, now, self.plan_chunk_elems * self.itemsize, others)
             self._plan_memo[key] = (plan, [plan.splits[f.id] for f, _ in sized])
             return plan
         first, ordered = memo

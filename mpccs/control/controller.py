@@ -55,6 +55,13 @@ class ControlConfig:
     # Ranks off a stage's critical path aim this much below the stage time
     # (estimates run a few % optimistic: the max filter's noise bias).
     coflow_slack: float = 0.05
+    # Whether another rank's dropped planes (from its piggybacked flags) bind
+    # its flows in our coflow solve. Off: a rank that dropped 'out' would pin
+    # the whole stage to its all-'up' time, every other rank would then see no
+    # gain in probing 'out' either, and no rank could ever re-add it alone
+    # (measured on the testbed: adaptive stuck on 'up'). Other ranks' flows
+    # enter with the split their estimates make best.
+    coflow_respects_remote_drops: bool = False
     # QoS on borrowed scale-out capacity (see qos.py).
     out_cap_share: float = 1.0
     out_cap_rate_Bps: Optional[float] = None
@@ -301,7 +308,8 @@ class PathController:
             return _Mode("single")
         st = self._states.get(src)
         if st is None:
-            return _Mode("multipath", dropped=frozenset(self._remote_dropped.get(src, ())))
+            remote = self._remote_dropped.get(src, ()) if cfg.coflow_respects_remote_drops else ()
+            return _Mode("multipath", dropped=frozenset(remote))
         dropped = frozenset(st.dropped)
         if not _judgeable(flows, cfg.min_multipath_bytes):
             return _Mode("multipath", dropped=dropped)
@@ -712,6 +720,19 @@ class PathController:
         if self.config.decide_from_exported_view:
             self.merge_estimates(self.rank, blob)
         return blob
+
+    @staticmethod
+    def blob_capacity(npeers: int) -> int:
+        """The most bytes export_estimates() writes for a rank with ``npeers`` peers."""
+        return 1 + _HDR.size + _ENTRY.size * len(PLANES) * max(1, npeers)
+
+    @staticmethod
+    def blob_length(buf: bytes) -> int:
+        """Length of the blob at the start of ``buf`` (0 when there is none)."""
+        if len(buf) < 1 + _HDR.size or buf[0] != _BLOB_VERSION:
+            return 0
+        _, _, count = _HDR.unpack_from(buf, 1)
+        return 1 + _HDR.size + count * _ENTRY.size
 
     def merge_estimates(self, rank: int, blob: bytes) -> None:
         """Another rank's exported estimates; they replace what we had for it."""
