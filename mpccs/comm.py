@@ -281,6 +281,11 @@ class Communicator:
             if isinstance(op, CollectiveOp):
                 self._aborted = str(exc)
             raise
+        except Exception as exc:
+            # Anything else escaping an operation (a UCX error type mpccs does not
+            # wrap yet) leaves it half-run: never let the next call reuse the state.
+            self._aborted = f"{type(exc).__name__}: {exc}"
+            raise
 
     def _next_seq(self) -> int:
         self._seq += 1

@@ -522,7 +522,11 @@ class CollectiveOp(Operation):
             if not req.completed:
                 still.append((req, peer, row))
                 continue
-            req.check_error()
+            try:
+                req.check_error()
+            except Exception as exc:  # e.g. longer than any fingerprint: truncated
+                raise ProtocolError(f"malformed fingerprint message: {type(exc).__name__}: {exc}",
+                                    rank=self.rank, peer=peer, op=self.name) from None
             theirs = Fingerprint.decode(self._fp_bufs[row][:FP_BYTES].view(np.uint64))
             diffs = self.fingerprint.differences(theirs)
             if diffs:
@@ -668,6 +672,9 @@ class CollectiveOp(Operation):
 
     def _enter_quiesce(self, plane: str, reason: str, origin: int) -> None:
         stage = sorted(r.stage.id for r in self.active)
+        if plane not in self.engine.planes:
+            raise ProtocolError(f"rank {origin} announced a failure of unknown plane {plane[:40]!r}",
+                                rank=self.rank, peer=origin, op=self.name, stage=stage)
         if self.attempt > 0 or not self.engine.can_take_over(plane, self.others):
             message = (f"plane {plane!r} failed during {self.name} #{self.seq} ({reason}) and "
                        + ("its retry failed too" if self.attempt else "no other plane reaches every rank"))
@@ -1040,7 +1047,11 @@ class RecvOp(Operation):
         if self.inflow is None:
             if not self._header_req.completed:
                 return False
-            self._header_req.check_error()
+            try:
+                self._header_req.check_error()
+            except Exception as exc:  # a header longer than 8 bytes arrives truncated
+                raise ProtocolError(f"malformed point-to-point header: {type(exc).__name__}: {exc}",
+                                    rank=self.engine.rank, peer=self.src, op="recv") from None
             sent = int(self._header[0])
             ok = sent == self.buf.nbytes
             self._reply[:] = (1 if ok else 0, self.buf.nbytes)
@@ -1212,7 +1223,7 @@ class Engine:
                     break
                 _, _, seq, sender, _ = wire.split_tag(probe.sender_tag.value)
                 name, _, reason = self._receive_small(plane, probe).decode(errors="replace").partition("\0")
-                self.failover_notices[seq] = (name, f"rank {sender}: {reason}", sender)
+                self.failover_notices[seq] = (name[:64], f"rank {sender}: {reason[:ABORT_REASON_MAX]}", sender)
 
     def scratch(self, nbytes: int) -> np.ndarray:
         size = 1 << max(12, (nbytes - 1).bit_length())
@@ -1259,7 +1270,7 @@ class Engine:
             deadline = time.perf_counter() + 5
             while not req.completed and time.perf_counter() < deadline:
                 plane.progress()
-            reason = bytes(buf[: int(probe.length)]).decode(errors="replace")
+            reason = bytes(buf[: min(int(probe.length), ABORT_REASON_MAX)]).decode(errors="replace")
             cls = MismatchError if "called" in reason else TransportError
             return cls(f"rank {sender} aborted operation #{seq}: {reason}")
         return None

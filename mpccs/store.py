@@ -66,8 +66,8 @@ class _Handler(socketserver.BaseRequestHandler):
                 op, token, key, wait_ms, value = _parse_body(body)
             except (ConnectionError, OSError):
                 return
-            except (ValueError, struct.error):
-                return self._reply(BAD_REQUEST, b"", close=True)
+            except (ValueError, struct.error, IndexError):
+                return self._reply(BAD_REQUEST, b"malformed request", close=True)
             if not hmac.compare_digest(token, self.server.token):
                 return self._reply(AUTH_FAILED, b"", close=True)
             status, payload = self._execute(op, key, wait_ms, value)
@@ -81,7 +81,10 @@ class _Handler(socketserver.BaseRequestHandler):
                 data.cond.notify_all()
                 return OK, b""
             if op == OP_ADD:
-                current = int(data.values.get(key, b"0")) + int(value)
+                try:
+                    current = int(data.values.get(key, b"0")) + int(value)
+                except ValueError:
+                    return BAD_REQUEST, b"ADD needs an integer value and key"
                 data.values[key] = str(current).encode()
                 data.cond.notify_all()
                 return OK, data.values[key]
@@ -108,6 +111,8 @@ class _Handler(socketserver.BaseRequestHandler):
 
 
 def _parse_body(body: bytes):
+    if not body:
+        raise ValueError("empty body")
     op = body[0]
     pos = 1
     (tlen,) = struct.unpack_from("!H", body, pos)

@@ -320,15 +320,6 @@ EXPECT = {  # case: (error the victim must raise, its message; {...}: the geomet
     "p2p_header_long": (("ProtocolError", "MismatchError"), r"rank 1|peer=1"),
 }
 
-KNOWN_BUGS = {
-    "fingerprint_long": "a fingerprint longer than 16 bytes fails the posted receive with UCX's truncation error, "
-                        "which CollectiveOp._check_fingerprints re-raises as a raw ucxx.UCXXMessageTruncatedError "
-                        "(not an mpccs error) and the communicator is not aborted",
-    "p2p_header_long": "a point-to-point header longer than 8 bytes: RecvOp._advance re-raises UCX's truncation error "
-                       "raw (ucxx.UCXXMessageTruncatedError) and the communicator is not aborted",
-    "failover_garbage": "a FAILOVER notice naming an unknown plane reaches PlaneHealth.mark_down, whose "
-                        "self.planes[name] raises a raw KeyError (and leaves the name in health.down)",
-}
 
 
 def _expected_message(case, sent):
@@ -407,11 +398,7 @@ def test_rogue_job_ranks_exit_cleanly(job):
     assert job["wall_s"] < 40, f"the job took {job['wall_s']:.1f} s"
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(c, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=KNOWN_BUGS[c]))
-    if c in KNOWN_BUGS else c
-    for c in CASES
-])
+@pytest.mark.parametrize("case", CASES)
 def test_rogue_chunks_get_a_clear_error_and_nothing_is_written_out_of_bounds(job, case):
     results = {r["case"]: r for r in map(json.loads, _lines(job["out"], 0, "RESULT"))}
     sent = {r["case"]: r for r in map(json.loads, _lines(job["out"], 1, "SENT"))}
@@ -613,11 +600,6 @@ def test_stalled_rogue_connections_do_not_block_the_store():
         server.close()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "store.py: an empty body (IndexError in _parse_body, before the token check) and an ADD whose "
-    "value or stored value is not an integer (ValueError in _execute) escape the handler: its "
-    "thread dies with a traceback on rank 0's stderr and the client gets a closed connection "
-    "instead of BAD_REQUEST"))
 def test_store_answers_every_malformed_body_with_bad_request():
     from mpccs.store import BAD_REQUEST, OK, OP_ADD, OP_SET, StoreServer
 
