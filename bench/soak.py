@@ -126,7 +126,10 @@ def run_one(comm, spec, inject: bool) -> tuple[bool, dict]:
         recv = None if (spec["inplace"] or rank != root) else np.empty_like(send)
         work = comm.reduce(send, recv, op=op, root=root, async_op=True)
     if inject:
-        while work._op.bytes_per_plane["out"] == 0 and not work.is_completed():
+        # Sever once this rank has bytes on 'out' (or after 0.2 s: a rank that
+        # only receives, like a reduce root, may never send on it).
+        deadline = time.monotonic() + 0.2
+        while work._op.bytes_per_plane["out"] == 0 and not work.is_completed() and time.monotonic() < deadline:
             pass
         comm._planes["out"].sever()
     work.wait()
@@ -157,6 +160,10 @@ def rank_main(args) -> int:
         inject = i >= WARM_OPS and rng.random() < args.fail_rate and comm.rank == victim
         if i == WARM_OPS:
             rss_warm = rss_bytes()
+            if os.environ.get("SOAK_TRACEMALLOC"):
+                import tracemalloc
+                tracemalloc.start(8)
+                snap0 = tracemalloc.take_snapshot()
         try:
             ok, stats = run_one(comm, spec, inject)
         except Exception as exc:  # noqa: BLE001 - reported, the soak stops
@@ -171,6 +178,14 @@ def rank_main(args) -> int:
             print(f"soak: {i + 1}/{args.ops} ops, {time.monotonic() - t0:.0f} s, wrong {len(summary['wrong'])}",
                   flush=True)
     comm.set_path_policy("up")
+    if os.environ.get("SOAK_TRACEMALLOC") and comm.rank == 1:
+        import gc
+        import tracemalloc
+        gc.collect()
+        for stat in tracemalloc.take_snapshot().compare_to(snap0, "traceback")[:6]:
+            print("TRACE", stat, "\n    " + "\n    ".join(stat.traceback.format()[-6:]), flush=True)
+    parked = comm._engine._parked
+    summary["parked_requests"] = [len(parked), sum(1 for r, _ in parked if not r.completed)]
     metrics = comm.metrics()
     summary["failovers"] = sum(v for k, v in metrics.items() if k.startswith("retries_total"))
     summary["rejoins"] = sum(v for k, v in metrics.items() if k.startswith("plane_rejoins_total"))
@@ -203,7 +218,11 @@ def main() -> None:
     cmd = [os.path.join(os.path.dirname(sys.executable), "mpccs-run"), "-n", str(args.np), sys.executable,
            __file__, "--rank", "--ops", str(args.ops), "--seed", str(args.seed), "--fail-rate", str(args.fail_rate),
            "--reprobe", str(args.reprobe), "--timeout", str(args.timeout)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    # A fixed mmap threshold: glibc's dynamic one rises after large arrays are
+    # freed, so later ones land in the heap and fragment it, and RSS then steps
+    # up by an array's size without any leak. Fixed, RSS measures what is held.
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     sys.stdout.write(proc.stdout)
     sys.stderr.write(proc.stderr)
     summaries = [json.loads(line.split("SOAK ", 1)[1]) for line in proc.stdout.splitlines() if "SOAK " in line]

@@ -364,11 +364,19 @@ class Communicator:
         if health.down:
             health.try_rejoin(time.perf_counter())
         protected = self._protected(schedule.count * np.dtype(dtype).itemsize, plan.single_plane)
-        snapshot = None
+        snapshot, unsaved = None, False
         if protected and name in ("all_reduce", "reduce") and np.shares_memory(buffers["in"], buffers["out"]):
-            snapshot = buffers["in"].copy()  # the retry restarts from the caller's input
+            # The retry restarts from the caller's input. Under 'adaptive', when
+            # every rank has 'out' dropped with no probe due (the piggybacked
+            # flags say so), skip the copy: a failure then aborts cleanly
+            # instead of retrying (docs/reliability.md).
+            if self._policy == "adaptive" and not self._engine.controller.may_use(OUT):
+                unsaved = True
+            else:
+                snapshot = buffers["in"].copy()
         cop = CollectiveOp(self._engine, self._next_seq(), schedule, buffers, dtype, op, splitter,
-                           plan.chunk_bytes, name, finalize, fp, protected=protected, snapshot=snapshot)
+                           plan.chunk_bytes, name, finalize, fp, protected=protected, snapshot=snapshot,
+                           input_unsaved=unsaved)
         return self._submit(cop, result, async_op)
 
     def _protected(self, nbytes: int, single_plane: bool) -> bool:

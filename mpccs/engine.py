@@ -47,6 +47,7 @@ MAX_WINDOW_BYTES = 8 << 20  # more in flight only pushes chunks out of cache bef
 IDLE_SPINS_BEFORE_SLEEP = 256  # then block on the planes' event fds ...
 IDLE_SLEEP_S = 0.001  # ... for at most this long (bounds the cost of a missed wake-up)
 ABORT_POLL_AFTER_S = 0.005  # look for peers' aborts only once an operation stalls this long
+CONTROL_POLL_S = 0.002  # progress() looks for failover notices and pings this often
 LIVENESS_AFTER_S = 0.5  # and for peers whose process is gone once it stalls this long
 
 
@@ -428,7 +429,8 @@ def local_plan(schedule: Schedule, rank: int) -> LocalPlan:
 class CollectiveOp(Operation):
     def __init__(self, engine, seq, schedule: Schedule, buffers: dict, dtype, op: str,
                  splitter: Splitter, chunk_bytes: int, name: str, finalize: Optional[Callable] = None,
-                 fingerprint=None, protected: bool = False, snapshot: Optional[np.ndarray] = None):
+                 fingerprint=None, protected: bool = False, snapshot: Optional[np.ndarray] = None,
+                 input_unsaved: bool = False):
         super().__init__(engine, seq)
         # Failover (docs/reliability.md): a protected operation completes only
         # once every rank has all its data (the DONE round), so no rank has
@@ -438,6 +440,7 @@ class CollectiveOp(Operation):
         # in-place input).
         self.protected = protected
         self.snapshot = snapshot
+        self.input_unsaved = input_unsaved  # in place, no copy taken: a failure cannot be retried
         self.attempt = 0
         self.wire_seq = wire.attempt_seq(seq, 0)
         self.phase = "run"  # run -> (finish) -> done; quiesce -> run on a plane failure
@@ -675,9 +678,11 @@ class CollectiveOp(Operation):
         if plane not in self.engine.planes:
             raise ProtocolError(f"rank {origin} announced a failure of unknown plane {plane[:40]!r}",
                                 rank=self.rank, peer=origin, op=self.name, stage=stage)
-        if self.attempt > 0 or not self.engine.can_take_over(plane, self.others):
-            message = (f"plane {plane!r} failed during {self.name} #{self.seq} ({reason}) and "
-                       + ("its retry failed too" if self.attempt else "no other plane reaches every rank"))
+        retry_blocker = ("its retry failed too" if self.attempt else
+                         "no other plane reaches every rank" if not self.engine.can_take_over(plane, self.others) else
+                         f"rank {self.rank} kept no copy of its in-place input" if self.input_unsaved else None)
+        if retry_blocker:
+            message = f"plane {plane!r} failed during {self.name} #{self.seq} ({reason}) and {retry_blocker}"
             self.engine.broadcast_abort(self.others, self.wire_seq, message)
             raise TransportError(message, rank=self.rank, plane=plane, op=self.name, stage=stage)
         now = time.perf_counter()
@@ -910,6 +915,12 @@ class CollectiveOp(Operation):
         waiting_in = [(i.peer, i.flow.id, f"{i.arrived}/{i.nchunks}") for r in self.active for i in r.ins if not i.done]
         waiting_out = [(o.peer, o.flow.id) for r in self.active for o in r.outs if not o.done]
         planes = sorted({p.name for _, _, _, _, _, p, _ in self.in_chunks} | {p.name for _, _, p, _, _, _ in self.out_chunks})
+        if self.phase != "run":
+            # finish: DONE still missing from these ranks; quiesce: QUIESCED missing
+            heard = self._done_from if self.phase == "finish" else self._quiesced_from
+            missing = sorted(set(self.others) - heard)
+            return {"stage": "end", "phase": self.phase, "peer": missing, "plane": "control",
+                    "waiting_for": f"{'DONE' if self.phase == 'finish' else 'QUIESCED'} from ranks {missing}"}
         return {
             "stage": [r.stage.id for r in self.active],
             "peer": sorted({p for p, _, _ in waiting_in} | {p for p, _ in waiting_out}),
@@ -1131,6 +1142,7 @@ class Engine:
         self._failovers_sent: dict[int, str] = {}
         self._ctrl_sends: list = []
         self._parked: list = []
+        self._next_control_poll = 0.0
 
     def planes_to(self, peer: int) -> list:
         return [p for p in self.planes.values() if p.reaches(peer)]
@@ -1327,6 +1339,16 @@ class Engine:
     def progress(self) -> bool:
         self.progress_planes()
         moved = False
+        now = time.perf_counter()
+        if now >= self._next_control_poll and self.active:
+            # Cheap, rate-limited: operations driven only by Work.is_completed()
+            # (never by wait()) still learn that a peer failed a plane over, and
+            # still answer heartbeats.
+            self._next_control_poll = now + CONTROL_POLL_S
+            self.health.serve()
+            self.poll_failovers()
+            if self._parked:  # let go of buffers once UCX released their requests
+                self._parked = [(r, b) for r, b in self._parked if not r.completed]
         for op in list(self.active):
             moved |= op.advance()
             if op.finished:

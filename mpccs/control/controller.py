@@ -705,6 +705,18 @@ class PathController:
         self._events.append({"decision": k, "rank": src, "event": "drop", "planes": sorted(st.dropped),
                              "keep": keep, **evidence})
 
+    def may_use(self, plane: str, within: int = 8) -> bool:
+        """Whether the next ``within`` decisions might put bytes on ``plane``, for
+        this rank or any rank whose piggybacked flags we hold. False only when
+        this rank has the plane dropped with no probe or check due, and every
+        rank we heard from has it dropped too (the failover snapshot's test)."""
+        st = self._states.get(self.rank)
+        if st is None or plane not in st.dropped or st.pending_check is not None:
+            return True
+        if st.next_probe_k <= self._k + within:
+            return True
+        return not all(plane in dropped for dropped in self._remote_dropped.values()) or not self._remote_dropped
+
     # ------------------------------------------------------------ estimates I/O
     def export_estimates(self, now: Optional[float] = None) -> bytes:
         """This rank's measured estimates, to piggyback on its chunks (13 B per plane and peer)."""
