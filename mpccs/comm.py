@@ -17,7 +17,7 @@ from . import algorithms, fingerprint
 from .algorithms import Topology
 from .bootstrap import Bootstrap, hostname, rendezvous
 from .config import DEFAULT_UP_TLS_CPU, Options, load_options, parse_policy
-from .engine import CollectiveOp, Engine, Operation, RecvOp, SendOp, Splitter
+from .engine import DIRECT_MAX_BYTES, CollectiveOp, DirectAllReduceOp, Engine, Operation, RecvOp, SendOp, Splitter
 from .errors import CommunicatorAborted, ConfigError, MismatchError, MpccsError, TransportError
 from .reduce import finish_avg
 from .telemetry import Telemetry
@@ -27,6 +27,7 @@ from .windows import OUT, UP
 
 DEFAULT_WINDOW_BYTES = {UP: 4 << 20, OUT: 4 << 20}
 DEFAULT_CHUNK_BYTES = 1 << 20
+DIRECT_MAX_RANKS = 8  # the direct small all_reduce sends p - 1 messages per rank
 # What the tuner assumes a reduction costs (bytes of output per second). A
 # prior, identical on every rank: plans must not depend on local measurements.
 REDUCE_BPS_PRIOR = 5e9
@@ -278,7 +279,7 @@ class Communicator:
             # A point-to-point size mismatch is caught before any byte moves and
             # leaves both ends consistent; a collective one leaves chunks of a
             # half-run schedule behind, so the communicator cannot be trusted.
-            if isinstance(op, CollectiveOp):
+            if not isinstance(op, (SendOp, RecvOp)):
                 self._aborted = str(exc)
             raise
         except Exception as exc:
@@ -399,6 +400,21 @@ class Communicator:
             carriers = {p for p, share in ((UP, policy), (OUT, 1.0 - policy)) if share > 0}
         return any(self._planes[p].failable for p in carriers)
 
+    def _direct(self, nbytes: int, algorithm) -> bool:
+        """Small all_reduce and barrier take one message per peer (engine.DirectAllReduceOp)
+        unless an algorithm is asked for, by argument or MPCCS_TUNE."""
+        return (algorithm is None and 1 < self.size <= DIRECT_MAX_RANKS and nbytes <= DIRECT_MAX_BYTES
+                and self._tune.match("all_reduce", nbytes) is None)
+
+    def _run_direct(self, name, send, out, op, result, async_op, finalize=None):
+        self._check_usable()
+        fp = None
+        if self.options.fingerprint:
+            fp = fingerprint.make(name, op, send.dtype, "direct", None, 0, send.size)
+        plane = OUT if self._policy == OUT and OUT in self._planes and name != "barrier" else None
+        dop = DirectAllReduceOp(self._engine, self._next_seq(), send, out, op, self.size, fp, plane, finalize, name)
+        return self._submit(dop, result, async_op)
+
     def _avg(self, op, buf):
         return (lambda: finish_avg(buf, self.size)) if op == "avg" else None
 
@@ -410,6 +426,8 @@ class Communicator:
         arrays.same_dtype(s, r)
         arrays.check_size(r.size, s.size, "recv")
         arrays.check_op(op, s.dtype)
+        if self._direct(s.nbytes, algorithm):
+            return self._run_direct("all_reduce", s, r, op, send if recv is None else recv, async_op, self._avg(op, r))
         sched = self._schedule("all_reduce", s.size, s.nbytes, algorithm=algorithm)
         return self._run("all_reduce", sched, {"in": s, "out": r}, s.dtype, op,
                          send if recv is None else recv, async_op, self._avg(op, r))
@@ -492,6 +510,9 @@ class Communicator:
         if self.size == 1:
             return
         token = np.zeros(1, dtype=np.uint8)
+        if self._direct(1, None):
+            self._run_direct("barrier", token, token, "max", None, False)
+            return
         sched = self._schedule("all_reduce", 1, 1, algorithm="rd")
         policy = self._policy
         self._policy = "up" if UP in self._planes else "out"  # control traffic: lowest latency, no split

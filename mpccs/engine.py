@@ -511,7 +511,8 @@ class CollectiveOp(Operation):
         for peer in self.fp_peers:
             tag = wire.make_tag(wire.KIND_CTRL, cid, self.wire_seq, me, wire.CTRL_FINGERPRINT)
             self._fp_sends.append(engine.control_plane(peer).send(peer, payload, tag))
-        self._fp_bufs = np.zeros((len(self.fp_peers), FP_BYTES + self._fp_blob_cap), dtype=np.uint8)
+        self._fp_bufs = np.zeros((len(self.fp_peers), FP_BYTES + fp_blob_capacity(engine, self.schedule.world)),
+                                 dtype=np.uint8)
         for row, peer in enumerate(self.fp_peers):
             tag = wire.make_tag(wire.KIND_CTRL, cid, self.wire_seq, peer, wire.CTRL_FINGERPRINT)
             req = engine.control_plane(peer).recv(self._fp_bufs[row], tag)
@@ -937,6 +938,114 @@ class CollectiveOp(Operation):
         if self.attempt or self.events:
             out.update(attempts=self.attempt + 1, failover=self.failover, events=list(self.events))
         return out
+
+
+# ---------------------------------------------------------------------------
+# small all-reduce: one message per peer
+# ---------------------------------------------------------------------------
+DIRECT_MAX_BYTES = 4096  # all_reduce (and barrier) at most this large take the direct path
+
+
+class DirectAllReduceOp(Operation):
+    """A small all_reduce as one message per peer, fingerprint in front.
+
+    For a few bytes the DAG engine's per-stage work (cursors, probes, windows)
+    and a separate fingerprint message cost more than the data: here every rank
+    sends its whole input behind its fingerprint to every other rank, in one
+    control message, and reduces what it received in rank order 0..p-1 (the
+    same order on every rank, so results are bit-identical everywhere). p - 1
+    messages per rank: meant for small worlds and payloads (DIRECT_MAX_BYTES).
+    The message uses the fingerprint's tag, so a peer that called something
+    else (the DAG path included) still gets a MismatchError, not a hang.
+    """
+
+    algorithm = "direct"
+
+    def __init__(self, engine, seq, send: np.ndarray, out: np.ndarray, op: str, world: int,
+                 fingerprint: Optional[Fingerprint], plane_name: Optional[str] = None,
+                 finalize: Optional[Callable] = None, name: str = "all_reduce"):
+        super().__init__(engine, seq)
+        self.name = name
+        self.op, self.out, self.finalize, self.fingerprint = op, out, finalize, fingerprint
+        self.wire_seq = wire.attempt_seq(seq, 0)
+        me = engine.rank
+        self.others = tuple(r for r in range(world) if r != me)
+        self.mine = send.copy() if np.shares_memory(send, out) else send
+        fp = fingerprint.encode().view(np.uint8) if fingerprint is not None else np.zeros(FP_BYTES, np.uint8)
+        self._payload = np.concatenate([fp, send.view(np.uint8)])
+        cap = FP_BYTES + max(send.nbytes, fp_blob_capacity(engine, world))
+        self._bufs = np.zeros((len(self.others), cap), dtype=np.uint8)
+        self._sends, self._recvs, self._got = [], [], {}
+        for row, peer in enumerate(self.others):
+            plane = engine.planes[plane_name] if plane_name else engine.control_plane(peer)
+            out_tag = wire.make_tag(wire.KIND_CTRL, engine.comm_id, self.wire_seq, me, wire.CTRL_FINGERPRINT)
+            in_tag = wire.make_tag(wire.KIND_CTRL, engine.comm_id, self.wire_seq, peer, wire.CTRL_FINGERPRINT)
+            self._sends.append(plane.send(peer, self._payload, out_tag))
+            self._recvs.append((plane.recv(self._bufs[row], in_tag), peer, row, plane))
+            self.bytes_per_plane[plane.name] += send.nbytes
+
+    def _advance(self) -> bool:
+        moved = False
+        still = []
+        for item in self._recvs:
+            req, peer, row, plane = item
+            if not req.completed:
+                still.append(item)
+                continue
+            moved = True
+            self._accept(req, peer, row, plane)
+        self._recvs = still
+        if still or not all(r.completed for r in self._sends):
+            return moved
+        for req in self._sends:
+            req.check_error()
+        self._reduce()
+        if self.finalize is not None:
+            self.finalize()
+        self._finish()
+        return True
+
+    def _accept(self, req, peer: int, row: int, plane) -> None:
+        try:
+            req.check_error()
+        except Exception as exc:
+            raise TransportError(f"{type(exc).__name__}: {exc}", rank=self.engine.rank, plane=plane.name,
+                                 peer=peer, op=self.name) from None
+        buf = self._bufs[row]
+        if self.fingerprint is not None:
+            theirs = Fingerprint.decode(buf[:FP_BYTES].view(np.uint64))
+            diffs = self.fingerprint.differences(theirs)
+            if diffs:
+                message = (f"rank {self.engine.rank} called {self.fingerprint.describe()} as operation #{self.seq} "
+                           f"but rank {peer} called {theirs.describe()} ({'; '.join(diffs)})")
+                self.engine.broadcast_abort(self.others, self.wire_seq, message)
+                raise MismatchError(message)
+        self._got[peer] = buf[FP_BYTES:FP_BYTES + self.mine.nbytes].view(self.mine.dtype)
+
+    def _reduce(self) -> None:
+        parts = dict(self._got)
+        parts[self.engine.rank] = self.mine
+        np.copyto(self.out, parts[0])
+        for r in range(1, len(parts)):
+            reduce_into(self.out, parts[r], self.op)
+
+    def describe_stall(self) -> dict:
+        waiting = sorted(peer for _, peer, _, _ in self._recvs)
+        return {"stage": 0, "peer": waiting, "plane": sorted({p.name for _, _, _, p in self._recvs}) or "control",
+                "waiting_for": f"the message of ranks {waiting}"}
+
+    def stats(self) -> dict:
+        out = super().stats()
+        out.update(algorithm=self.algorithm, channels=1, policy="direct", stages=[])
+        return out
+
+
+def fp_blob_capacity(engine, world: int) -> int:
+    """Bytes a fingerprint message may carry after the fingerprint: piggybacked
+    estimates, or a direct all_reduce's payload (so either kind of message fits
+    the other's receive, and a mismatch between them is reported, not truncated)."""
+    blob = engine.controller.blob_capacity(world - 1) if engine.controller is not None else 0
+    return max(blob, DIRECT_MAX_BYTES)
 
 
 # ---------------------------------------------------------------------------

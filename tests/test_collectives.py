@@ -218,3 +218,28 @@ def random_shape_all_reduce(comm, shape, name):
 @given(shape=st.lists(st.integers(0, 40), min_size=1, max_size=3), name=st.sampled_from(DTYPES))
 def test_random_shapes_property(pools, shape, name):
     assert pools("2").run(random_shape_all_reduce, tuple(shape), name) == [None, None]
+
+
+def direct_small_all_reduce(comm):
+    # float32 values whose sum depends on the order of additions: rank order 0..p-1 on every rank
+    x = np.array([1e8, 1.0, -1e8, 3.5][: 4], np.float32) * (comm.rank + 1) + np.float32(comm.rank) / 3
+    out = comm.all_reduce(x, np.empty_like(x))
+    stats = comm.last_stats()
+    parts = [np.array([1e8, 1.0, -1e8, 3.5], np.float32) * (r + 1) + np.float32(r) / 3 for r in range(comm.size)]
+    expected = parts[0].copy()
+    for p in parts[1:]:
+        expected += p
+    big = comm.all_reduce(np.ones(DIRECT_LIMIT // 4 + 1, np.float32))  # just over: the DAG path
+    return out.tobytes(), expected.tobytes(), stats["algorithm"], comm.last_stats()["algorithm"], float(big[0])
+
+
+DIRECT_LIMIT = 4096
+
+
+def test_small_all_reduce_takes_the_direct_path_in_rank_order(pools):
+    results = pools("3").run(direct_small_all_reduce)
+    assert len({r[0] for r in results}) == 1  # bit-identical on every rank
+    for out, expected, small_alg, big_alg, big in results:
+        assert out == expected  # reduced in rank order 0, 1, 2
+        assert small_alg == "direct" and big_alg != "direct"
+        assert big == 3.0

@@ -180,7 +180,10 @@ def _rogue_messages(comm, case):
         elif case == "fingerprint_short":
             body = words[:8].copy()
         else:
-            body = np.concatenate([words, payload(4096)])
+            # Fingerprint messages legitimately carry up to 4 KiB after the
+            # fingerprint (piggybacked estimates, a direct all_reduce's data):
+            # longer than any legitimate one, it must be refused.
+            body = np.concatenate([words, payload(8192)])
         return [("up", fp_tag, body), (plane, chunk_tag(flow.id, 0), payload(expected(0)))], info
 
     messages = [("up", fp_tag, words)]
