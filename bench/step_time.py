@@ -6,7 +6,8 @@ Fixed configuration (examples/train_numpy.py): 2 ranks, MLP 64-1024-1024-1024-10
 (2.2 M parameters, 8.3 MiB of gradients per step), batch 64 per rank, 4 MiB
 gradient buckets, numpy on one thread per rank. Testbed: both planes shaped tcp
 at 1 and 0.5 Gbit/s. For each policy (up, out, 0.667, adaptive) and a
-compute-only run (--no-comm) the median step time is measured; rounds are
+compute-only run (--no-comm), and torch gloo all-reducing the same buckets on the
+scale-out interface (--gloo), the median step time is measured; rounds are
 repeated and interleaved. Then:
 
     f   = exposed communication share of the best single-plane step = 1 - t_compute / t_step(best single)
@@ -28,6 +29,7 @@ EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "train_numpy
 CONFIG = ["--steps", "40", "--warmup", "8", "--hidden", "1024", "--layers", "3", "--batch", "64",
           "--bucket-kb", "4096", "--threads", "1"]
 POLICIES = ("up", "out", "0.667", "adaptive")
+PEERS = ("gloo",)  # torch.distributed gloo on the scale-out interface, same buckets
 
 
 def one_run(cluster, extra: list[str]) -> dict:
@@ -46,7 +48,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ns = ap.parse_args()
     os.makedirs(ns.out, exist_ok=True)
-    samples = {p: [] for p in (*POLICIES, "compute")}
+    samples = {p: [] for p in (*POLICIES, *PEERS, "compute")}
     shares = {}
     with Cluster(n=2, up="tcp", up_rate="1gbit", out_rate="500mbit", log=lambda m: None) as cluster:
         for _ in range(ns.rounds):
@@ -56,12 +58,14 @@ def main() -> int:
                 samples[policy].append(res["median_step_ms"])
                 bpp = res.get("bytes_per_plane") or {}
                 shares[policy] = bpp.get("up", 0) / max(1, sum(bpp.values()))
+            for peer in PEERS:
+                samples[peer].append(one_run(cluster, ["--gloo"])["median_step_ms"])
     med = {k: statistics.median(v) for k, v in samples.items()}
     best_single = min(("up", "out"), key=lambda p: med[p])
     t_c, t_b = med["compute"], med[best_single]
     f = 1 - t_c / t_b
     rows = []
-    for p in POLICIES:
+    for p in (*POLICIES, *PEERS):
         s_c = (t_b - t_c) / (med[p] - t_c) if med[p] > t_c else float("inf")
         predicted = 1 / ((1 - f) + f / s_c)
         rows.append({"policy": p, "step_ms": med[p], "steps_ms": samples[p], "up_share": shares.get(p),

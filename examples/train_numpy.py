@@ -39,6 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-kb", type=float, default=256, help="gradient bucket size in KiB (256)")
     p.add_argument("--policy", default=None, help="path policy: up, out, adaptive or a fraction on 'up' (MPCCS_PATH)")
     p.add_argument("--no-comm", action="store_true", help="skip communication: compute-only step time")
+    p.add_argument("--gloo", action="store_true",
+                   help="all-reduce the gradient buckets with torch.distributed gloo instead (the peer baseline; "
+                        "GLOO_SOCKET_IFNAME picks its interface, MPCCS_OUT_DEVICES by default)")
     p.add_argument("--threads", type=int, default=1, help="BLAS threads per rank (1)")
     p.add_argument("--seed", type=int, default=0)
     ns = p.parse_args(argv)
@@ -152,6 +155,42 @@ class Buckets:
         return stats
 
 
+class GlooBuckets:
+    """Stands in for the communicator in Buckets: the same buckets through torch gloo (zero copy)."""
+
+    def __init__(self, size: int):
+        import torch
+        import torch.distributed as dist
+
+        self.torch, self.dist, self.size = torch, dist, size
+
+    def all_reduce(self, view, op="avg", async_op=True):
+        work = self.dist.all_reduce(self.torch.from_numpy(view), async_op=True)
+        return _GlooWork(work, view, self.size)
+
+
+class _GlooWork:
+    def __init__(self, work, view, size):
+        self.work, self.view, self.size = work, view, size
+
+    def wait(self):
+        self.work.wait()
+        self.view /= self.size  # gloo has no avg: sum, then divide, as DDP does
+
+    def stats(self):
+        return None
+
+
+def init_gloo(rank: int, size: int):
+    """torch.distributed gloo on the scale-out interface, next to mpccs's rendezvous port."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", os.environ.get("MPCCS_OUT_DEVICES", "lo"))
+    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")) + 1
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=size)
+    return GlooBuckets(size)
+
+
 def weights_digest(params) -> int:
     h = hashlib.sha256()
     for p in params:
@@ -172,6 +211,7 @@ def main(args) -> int:
     if args.policy is not None:
         comm.set_path_policy(args.policy)
     use_comm = not args.no_comm
+    reducer = init_gloo(rank, size) if args.gloo and use_comm else comm
     sizes = [args.features] + [args.hidden] * args.layers + [args.classes]
     params = init_params(sizes, args.seed)  # same on every rank
     teacher = np.random.default_rng(args.seed + 10_000).standard_normal((args.features, args.classes)).astype(np.float32)
@@ -181,7 +221,7 @@ def main(args) -> int:
     if rank == 0:
         print(f"train_numpy: {size} rank(s), {n_params} parameters ({n_params * 4 / 2**20:.2f} MiB), "
               f"{len(buckets.bounds)} bucket(s) of <= {args.bucket_kb:g} KiB, policy "
-              f"{comm.path_policy if use_comm else 'none (--no-comm)'}", flush=True)
+              f"{'gloo' if args.gloo else comm.path_policy if use_comm else 'none (--no-comm)'}", flush=True)
 
     step_times, losses = [], []
     bytes_per_plane: dict = {}
@@ -192,7 +232,7 @@ def main(args) -> int:
         t0 = time.perf_counter()
         buckets.reset()
         loss = run_backward(params, x, labels, buckets.grads,
-                            lambda i: buckets.launch_ready(comm if use_comm else None, buckets.end_of[i]))
+                            lambda i: buckets.launch_ready(reducer if use_comm else None, buckets.end_of[i]))
         for stats in buckets.wait_all():
             for plane, n in (stats or {}).get("bytes_per_plane", {}).items():
                 bytes_per_plane[plane] = bytes_per_plane.get(plane, 0) + int(n)
@@ -221,10 +261,14 @@ def main(args) -> int:
         "median_step_ms": round(1e3 * float(np.median(measured)), 4),
         "params": n_params, "hidden": args.hidden, "layers": args.layers, "batch": args.batch,
         "bucket_kb": args.bucket_kb, "buckets_per_step": len(buckets.bounds), "comm": use_comm,
-        "policy": str(comm.path_policy) if use_comm else None,
+        "policy": ("gloo" if args.gloo else str(comm.path_policy)) if use_comm else None,
         "first_loss": round(losses[0], 6), "final_loss": round(losses[-1], 6),
         "weights_identical": identical, "bytes_per_plane": bytes_per_plane,
     }
+    if args.gloo and use_comm:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     comm.close()
     if rank == 0:
         if identical is False:

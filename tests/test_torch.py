@@ -568,6 +568,20 @@ def test_train_numpy_example_two_ranks():
     assert result["final_loss"] < result["first_loss"]
 
 
+def test_train_numpy_example_with_gloo_buckets_matches_mpccs():
+    """--gloo (the step-time peer) trains the same model to the same loss curve as mpccs."""
+    common = ["--steps", "8", "--warmup", "2", "--hidden", "64", "--bucket-kb", "16"]
+    runs = {}
+    for name, extra in (("mpccs", []), ("gloo", ["--gloo"])):
+        proc = _run_example(["-n", "2", "--timeout", "80", str(EXAMPLES / "train_numpy.py"), *common, *extra])
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        runs[name] = _last_json(proc.stdout)
+    assert runs["gloo"]["policy"] == "gloo" and runs["gloo"]["weights_identical"] is True
+    assert runs["gloo"]["first_loss"] == runs["mpccs"]["first_loss"]
+    # 2 ranks: both sum two values (a + b is exact in either order), then divide by 2
+    assert abs(runs["gloo"]["final_loss"] - runs["mpccs"]["final_loss"]) < 1e-5
+
+
 def test_train_ddp_example_with_hook():
     proc = _run_example(["-n", "2", "--timeout", "80", str(EXAMPLES / "train_ddp.py"),
                          "--steps", "6", "--warmup", "2", "--hidden", "32", "--bucket-mb", "0.001"])
