@@ -83,6 +83,7 @@ class Communicator:
         self._closed = False
         self._aborted: Optional[str] = None
         self._seq = 0
+        self._epoch = 0  # multipath-eligible adaptive calls so far (see _run)
         self._send_seq: dict[int, int] = {}
         self._recv_seq: dict[int, int] = {}
         self._last_stats: Optional[dict] = None
@@ -166,6 +167,7 @@ class Communicator:
                 if name == UP and self.domains[peer] != self.domain:
                     continue  # the scale-up fabric stops at the domain's edge
                 plane.connect(peer, address)
+        _wire_up(planes, self.rank, opts.rendezvous_timeout_s)
         return planes
 
     def _make_controller(self):
@@ -364,21 +366,30 @@ class Communicator:
         health.serve()  # peers probing a plane to rejoin wait for our answer
         if health.down:
             health.try_rejoin(time.perf_counter())
-        protected = self._protected(schedule.count * np.dtype(dtype).itemsize, plan.single_plane)
+        nbytes = schedule.count * np.dtype(dtype).itemsize
+        protected = self._protected(nbytes, plan.single_plane)
+        epoch = None
+        if self._policy == "adaptive" and self._multipath_eligible(nbytes, plan.single_plane):
+            self._epoch += 1  # the same count on every rank: the controller's shared clock
+            epoch = self._epoch
         snapshot, unsaved = None, False
         if protected and name in ("all_reduce", "reduce") and np.shares_memory(buffers["in"], buffers["out"]):
             # The retry restarts from the caller's input. Under 'adaptive', when
             # every rank has 'out' dropped with no probe due (the piggybacked
             # flags say so), skip the copy: a failure then aborts cleanly
             # instead of retrying (docs/reliability.md).
-            if self._policy == "adaptive" and not self._engine.controller.may_use(OUT):
+            if self._policy == "adaptive" and not self._engine.controller.may_use(OUT, epoch):
                 unsaved = True
             else:
                 snapshot = buffers["in"].copy()
         cop = CollectiveOp(self._engine, self._next_seq(), schedule, buffers, dtype, op, splitter,
                            plan.chunk_bytes, name, finalize, fp, protected=protected, snapshot=snapshot,
-                           input_unsaved=unsaved)
+                           input_unsaved=unsaved, epoch=epoch)
         return self._submit(cop, result, async_op)
+
+    def _multipath_eligible(self, nbytes: int, single_plane: bool) -> bool:
+        """An adaptive call the controller may split (deterministic: the same on every rank)."""
+        return not single_plane and nbytes >= self._engine.controller.config.min_multipath_bytes
 
     def _protected(self, nbytes: int, single_plane: bool) -> bool:
         """Whether a call runs under the failover protocol (the same answer on every rank:
@@ -393,7 +404,7 @@ class Communicator:
             return False
         policy = self._policy
         if policy == "adaptive":
-            carriers = {UP} if single_plane or nbytes < self._engine.controller.config.min_multipath_bytes else {UP, OUT}
+            carriers = {UP, OUT} if self._multipath_eligible(nbytes, single_plane) else {UP}
         elif policy in (UP, OUT):
             carriers = {policy}
         else:
@@ -411,8 +422,10 @@ class Communicator:
         fp = None
         if self.options.fingerprint:
             fp = fingerprint.make(name, op, send.dtype, "direct", None, 0, send.size)
-        plane = OUT if self._policy == OUT and OUT in self._planes and name != "barrier" else None
-        dop = DirectAllReduceOp(self._engine, self._next_seq(), send, out, op, self.size, fp, plane, finalize, name)
+        # Always the control plane (scale-up where it reaches): both ends must
+        # agree on the plane without a round trip, and plane state (a plane
+        # down, rejoining) may differ between ranks for a moment.
+        dop = DirectAllReduceOp(self._engine, self._next_seq(), send, out, op, self.size, fp, None, finalize, name)
         return self._submit(dop, result, async_op)
 
     def _avg(self, op, buf):
@@ -525,6 +538,34 @@ class Communicator:
         if not isinstance(root, (int, np.integer)) or not 0 <= int(root) < self.size:
             raise ValueError(f"root={root!r} is out of range for communicator size {self.size}")
         return int(root)
+
+
+def _wire_up(planes: dict, rank: int, timeout_s: float) -> None:
+    """One byte each way on every plane to every peer it reaches, at init.
+
+    UCX opens a tcp connection on an endpoint's first send; without this the
+    first operation that uses a plane pays the connection set-up, and the
+    controller's first probe of 'out' measured set-up, not the link.
+    """
+    from . import wire
+
+    token = np.ones(1, dtype=np.uint8)
+    pending = []
+    for plane in planes.values():
+        for peer in plane.peers:
+            pending.append(plane.send(peer, token, wire.make_tag(wire.KIND_CTRL, 0xFF, 0, rank, wire.CTRL_WIREUP)))
+            buf = np.zeros(1, dtype=np.uint8)
+            pending.append(plane.recv(buf, wire.make_tag(wire.KIND_CTRL, 0xFF, 0, peer, wire.CTRL_WIREUP)))
+            pending.append(buf)
+    requests = [r for r in pending if not isinstance(r, np.ndarray)]
+    deadline = time.monotonic() + timeout_s
+    while not all(r.completed for r in requests):
+        for plane in planes.values():
+            plane.progress()
+        if time.monotonic() > deadline:
+            raise TransportError(f"planes did not connect within {timeout_s:g} s (wire-up)", rank=rank)
+    for r in requests:
+        r.check_error()
 
 
 def _hashable(value):

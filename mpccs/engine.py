@@ -141,13 +141,13 @@ class Splitter:
         return all(p.completion_means_delivery for p in self.planes.values())
 
     def plan(self, flows: list[tuple[Flow, int]], now: float, chunk_bytes: Optional[int] = None,
-             others: tuple = ()) -> StagePlan:
+             others: tuple = (), epoch: Optional[int] = None) -> StagePlan:
         """flows: (flow, nbytes) this rank sends in the stage; others: the
         stage's flows from other ranks, which the controller splits together
         with ours (the coflow) from their piggybacked estimates."""
         if self.policy == "adaptive" and self.controller is not None:
             if sum(n for _, n in flows) >= self.controller.config.min_multipath_bytes:
-                return self._adaptive(flows, now, chunk_bytes, others)
+                return self._adaptive(flows, now, chunk_bytes, others, epoch)
             # Too small for a second plane to pay (the controller would say the
             # same, at the cost of a decision): the configured single plane.
             splits = {f.id: FlowSplit(nbytes, False) for f, nbytes in flows}
@@ -167,20 +167,22 @@ class Splitter:
         # 'up', and 'adaptive' without a controller: the single-plane default.
         return FlowSplit(nbytes, False)
 
-    def _adaptive(self, flows, now, chunk_bytes, others=()) -> StagePlan:
+    def _adaptive(self, flows, now, chunk_bytes, others=(), epoch=None) -> StagePlan:
         key = (tuple((f.dst, n) for f, n in flows), chunk_bytes)
         cached = self.cache.get(key) if self.cache is not None else None
+        if cached is not None and self.controller.probe_due(epoch):
+            cached = None  # every rank probes in this operation: a reused decision must not skip it
         if cached is not None:
             splits = {f.id: s for (f, _), s in zip(flows, cached.splits)}
             return StagePlan(splits, cached.window_bytes, {**cached.reason, "reused": cached.uses}, key)
-        plan = self._decide(flows, now, chunk_bytes, others)
+        plan = self._decide(flows, now, chunk_bytes, others, epoch)
         if self.cache is not None:
             reason = {k: v for k, v in plan.reason.items() if k != "decision"}
             self.cache.put(key, _CachedDecision([plan.splits[f.id] for f, _ in flows], plan.window_bytes, reason))
             plan.cache_key = key
         return plan
 
-    def _decide(self, flows, now, chunk_bytes, others=()) -> StagePlan:
+    def _decide(self, flows, now, chunk_bytes, others=(), epoch=None) -> StagePlan:
         from .control import FlowDemand
 
         demands = []
@@ -196,7 +198,7 @@ class Splitter:
                            and all(r == mine or self.planes[p].reaches(r) for r in (f.src, f.dst)))
             if planes and nbytes:
                 demands.append(FlowDemand(flow_id=f.id, src=f.src, dst=f.dst, nbytes=nbytes, planes=planes))
-        decision = self.controller.decide(demands, now, chunk_bytes=chunk_bytes)
+        decision = self.controller.decide(demands, now, chunk_bytes=chunk_bytes, epoch=epoch)
         steal = decision.steal and self.can_steal
         splits = {
             f.id: FlowSplit(decision.up_bytes.get(f.id, 0), steal, decision.out_cap_bytes.get(f.id))
@@ -430,7 +432,7 @@ class CollectiveOp(Operation):
     def __init__(self, engine, seq, schedule: Schedule, buffers: dict, dtype, op: str,
                  splitter: Splitter, chunk_bytes: int, name: str, finalize: Optional[Callable] = None,
                  fingerprint=None, protected: bool = False, snapshot: Optional[np.ndarray] = None,
-                 input_unsaved: bool = False):
+                 input_unsaved: bool = False, epoch: Optional[int] = None):
         super().__init__(engine, seq)
         # Failover (docs/reliability.md): a protected operation completes only
         # once every rank has all its data (the DONE round), so no rank has
@@ -441,6 +443,7 @@ class CollectiveOp(Operation):
         self.protected = protected
         self.snapshot = snapshot
         self.input_unsaved = input_unsaved  # in place, no copy taken: a failure cannot be retried
+        self.epoch = epoch  # the controller's shared clock (comm: multipath-eligible adaptive operations)
         self.attempt = 0
         self.wire_seq = wire.attempt_seq(seq, 0)
         self.phase = "run"  # run -> (finish) -> done; quiesce -> run on a plane failure
@@ -608,7 +611,7 @@ class CollectiveOp(Operation):
         key = tuple((f.dst, n) for f, n in sized)
         memo = self._plan_memo.get(key)
         if memo is None:
-            plan = self.splitter.plan(sized, now, self.plan_chunk_elems * self.itemsize, others)
+            plan = self.splitter.plan(sized, now, self.plan_chunk_elems * self.itemsize, others, self.epoch)
             self._plan_memo[key] = (plan, [plan.splits[f.id] for f, _ in sized])
             return plan
         first, ordered = memo

@@ -151,7 +151,7 @@ class _Mode:
 
 
 MISPREDICTIONS_BEFORE_JUDGING = 3
-FIRST_PROBE_AFTER = 2  # decisions before the first probe of a plane that starts dropped
+FIRST_PROBE_AFTER = 4  # decisions (epochs) before the first probe of a plane that starts dropped: the median of 3 solo stages is the reference, not a cold first one
 
 
 @dataclass
@@ -168,6 +168,7 @@ class _RankState:
     regime_at_check: int = 0
     probe_interval: int = 0
     next_probe_k: float = math.inf
+    last_probe_epoch: Optional[int] = None
     checks: int = 0
     drops: int = 0
     probes: int = 0
@@ -207,6 +208,7 @@ class PathController:
             round_samples=cfg.filter_round_chunks,
         )
         self._k = 0                                   # decisions made
+        self._epoch: Optional[int] = None             # the shared clock, when the engine gives one
         self._states: dict[int, _RankState] = {}      # ranks whose stages we observe
         self._remote_dropped: dict[int, set] = {}     # other ranks' dropped planes (from blobs)
         self._shares: dict[tuple, float] = {}         # (src, dst, size class) -> share on 'out'
@@ -228,8 +230,17 @@ class PathController:
 
     # ------------------------------------------------------------------ decide
     def decide(self, flows: Sequence[FlowDemand], now: float, align: int = 4096,
-               chunk_bytes: Optional[int] = None) -> StageDecision:
-        """Split every flow of one stage between the planes, together."""
+               chunk_bytes: Optional[int] = None, epoch: Optional[int] = None) -> StageDecision:
+        """Split every flow of one stage between the planes, together.
+
+        ``epoch``: a clock every rank shares (the engine passes the count of
+        multipath-eligible adaptive operations, identical on all ranks). With
+        it, re-probes of a dropped plane happen at epochs on a global grid
+        (multiples of the probe interval), so every rank probes in the same
+        operation: a stage ends with its slowest rank, and a probe by one rank
+        alone can never show the gain of both splitting. Without it (synthetic
+        tests), probes are paced by this controller's own decision count.
+        """
         cfg = self.config
         if align < 1:
             raise ValueError("align must be >= 1")
@@ -249,7 +260,9 @@ class PathController:
         models = _models(ports)
         caps = qos.share_caps(flows, cfg.out_cap_share, align)
         solo_planes = {s: self._solo_planes(by_src[s], caps) for s in srcs}
-        modes = {s: self._mode(s, k, by_src[s], solo_planes[s]) for s in srcs}
+        if epoch is not None:
+            self._epoch = epoch
+        modes = {s: self._mode(s, k, by_src[s], solo_planes[s], epoch) for s in srcs}
         allowed = {f.flow_id: self._allowed_planes(f, modes[f.src], view) for f in flows}
         split_in = self._split_inputs(flows, allowed, caps, view)
         split = solve_coflow(split_in, models, cfg.coflow_slack)
@@ -301,7 +314,8 @@ class PathController:
             qos.is_borrowable(f) and caps[f.flow_id] < f.nbytes for f in flows)
         return ("up",) if capped else PLANES
 
-    def _mode(self, src: int, k: int, flows: Sequence[FlowDemand], solo_planes: tuple[str, ...]) -> _Mode:
+    def _mode(self, src: int, k: int, flows: Sequence[FlowDemand], solo_planes: tuple[str, ...],
+              epoch: Optional[int] = None) -> _Mode:
         """Multipath, or one of the measurement stages (check, probe) for this rank."""
         cfg = self.config
         if not cfg.multipath:
@@ -320,12 +334,27 @@ class PathController:
             st.last_check_k = k
             st.checks += 1
             return _Mode("check", plane=plane, dropped=dropped)
-        if st.dropped and k >= st.next_probe_k:
+        if st.dropped and self._probe_due(st, k, epoch):
             plane = sorted(st.dropped)[0]  # one plane at a time
             st.next_probe_k = k + max(1, st.probe_interval)
+            st.last_probe_epoch = epoch
             st.probes += 1
             return _Mode("probe", plane=plane, dropped=dropped)
         return _Mode("multipath", dropped=dropped)
+
+    def _probe_due(self, st: "_RankState", k: int, epoch: Optional[int]) -> bool:
+        if epoch is None:
+            return k >= st.next_probe_k
+        if epoch == st.last_probe_epoch:
+            return False  # one probe per operation: its first decision
+        if st.probes == 0 and epoch >= FIRST_PROBE_AFTER and st.readds == 0 and st.drops == 0:
+            return epoch == FIRST_PROBE_AFTER or epoch % self.config.probe_every == 0
+        return epoch % max(1, st.probe_interval) == 0
+
+    def probe_due(self, epoch: Optional[int]) -> bool:
+        """This rank's next decision at ``epoch`` would be a probe (a cached decision must not stand in)."""
+        st = self._states.get(self.rank)
+        return bool(st is not None and st.dropped and epoch is not None and self._probe_due(st, self._k + 1, epoch))
 
     def _allowed_planes(self, f: FlowDemand, mode: _Mode, view: EstimateView) -> tuple[str, ...]:
         cfg = self.config
@@ -705,17 +734,20 @@ class PathController:
         self._events.append({"decision": k, "rank": src, "event": "drop", "planes": sorted(st.dropped),
                              "keep": keep, **evidence})
 
-    def may_use(self, plane: str, within: int = 8) -> bool:
-        """Whether the next ``within`` decisions might put bytes on ``plane``, for
-        this rank or any rank whose piggybacked flags we hold. False only when
-        this rank has the plane dropped with no probe or check due, and every
-        rank we heard from has it dropped too (the failover snapshot's test)."""
+    def may_use(self, plane: str, epoch: Optional[int]) -> bool:
+        """Whether operation ``epoch`` might put bytes on ``plane`` on any rank
+        (the failover snapshot's test). False only when this rank has the plane
+        dropped with no check pending, every rank we heard from has it dropped
+        too, and ``epoch`` is neither on the probe grid (any rank's probe epochs
+        are multiples of probe_every, or the first probe) nor right after it (a
+        peer that re-added the plane there says so one operation later)."""
         st = self._states.get(self.rank)
-        if st is None or plane not in st.dropped or st.pending_check is not None:
+        if epoch is None or st is None or plane not in st.dropped or st.pending_check is not None:
             return True
-        if st.next_probe_k <= self._k + within:
+        grid = self.config.probe_every
+        if any(e % grid == 0 or e == FIRST_PROBE_AFTER for e in (epoch, epoch - 1)):
             return True
-        return not all(plane in dropped for dropped in self._remote_dropped.values()) or not self._remote_dropped
+        return not self._remote_dropped or not all(plane in d for d in self._remote_dropped.values())
 
     # ------------------------------------------------------------ estimates I/O
     def export_estimates(self, now: Optional[float] = None) -> bytes:
@@ -764,7 +796,26 @@ class PathController:
         except struct.error as exc:
             raise ValueError(f"estimate blob from rank {rank}: {exc}") from None
         self.estimator.set_remote(rank, entries)
-        self._remote_dropped[rank] = {p for i, p in enumerate(PLANES) if flags & (1 << i)}
+        dropped = {p for i, p in enumerate(PLANES) if flags & (1 << i)}
+        self._remote_dropped[rank] = dropped
+        self._follow_peer_drop(rank, dropped)
+
+    def _follow_peer_drop(self, rank: int, dropped: set) -> None:
+        """A plane another rank dropped is dropped here too.
+
+        Splitting only pays when every rank of a stage splits (the stage ends
+        with its slowest rank), so ranks must agree; judgments are local and
+        can differ. The rule that converges: any rank's drop is everyone's
+        drop, and a plane comes back only when a probe (on the shared epoch
+        grid, so all ranks probe together) convinces every rank.
+        """
+        st = self._states.get(self.rank)
+        if st is None or rank == self.rank or not self.config.multipath:
+            return
+        for plane in sorted(dropped - st.dropped):
+            keep = next((p for p in PLANES if p != plane), None)
+            if keep is not None and not st.dropped:
+                self._drop(st, self.rank, keep=keep, k=self._k, evidence={"peer_dropped": rank})
 
     # --------------------------------------------------------------- telemetry
     def plane_costs(self, now: Optional[float] = None, src: Optional[int] = None) -> dict[str, PathModel]:
