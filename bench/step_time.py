@@ -42,11 +42,42 @@ def one_run(cluster, extra: list[str]) -> dict:
     raise SystemExit("no result line")
 
 
+def plot(result: dict, path: str) -> None:
+    """Step time per policy and peer, split into compute and exposed communication."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    names = [r["policy"] for r in rows]
+    steps = [r["step_ms"] for r in rows]
+    compute = result["compute_ms"]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    ax.bar(names, [compute] * len(rows), color="#bbbbbb", label="compute only")
+    ax.bar(names, [s - compute for s in steps], bottom=[compute] * len(rows), color="#4477aa",
+           label="exposed communication")
+    for i, r in enumerate(rows):
+        ax.text(i, r["step_ms"] * 1.01, f"{r['step_speedup']:.2f}x", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("median step time (ms)")
+    ax.set_title(f"train_numpy step time, 2 ranks, testbed 1/0.5 Gbit/s (f = {result['f']:.2f}; "
+                 f"labels: speedup over {result['best_single']})", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--plot-only", action="store_true", help="redraw step_time.png from step_time.json")
     ns = ap.parse_args()
+    if ns.plot_only:
+        with open(os.path.join(ns.out, "step_time.json")) as fh:
+            plot(json.load(fh), os.path.join(ns.out, "step_time.png"))
+        return 0
     os.makedirs(ns.out, exist_ok=True)
     samples = {p: [] for p in (*POLICIES, *PEERS, "compute")}
     shares = {}
@@ -91,7 +122,8 @@ def main() -> int:
                      f"{r['step_speedup']:.2f} | {r['predicted_step_speedup']:.2f} |")
     text = "\n".join(lines) + "\n"
     with open(os.path.join(ns.out, "report.md"), "w") as fh:
-        fh.write(text)
+        fh.write(text + "\n![step time](step_time.png)\n")
+    plot(result, os.path.join(ns.out, "step_time.png"))
     print(text)
     return 0
 

@@ -703,7 +703,9 @@ class PathController:
         cfg = self.config
         keep = next((p for p in PLANES if p not in st.dropped), None)
         t_solo = self._solo_time(st, keep, nbytes, latency) if keep else None
-        if t_solo is None or duration < t_solo * (1 - cfg.readd_margin):
+        # No solo record (cleared by a regime change) is no evidence: the
+        # stages the dropped plane leaves solo refill it before the next probe.
+        if t_solo is not None and duration < t_solo * (1 - cfg.readd_margin):
             st.dropped.clear()
             st.joint.clear()
             st.probe_interval = 0
