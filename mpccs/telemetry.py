@@ -10,8 +10,9 @@ run the network.
   ``prometheus_text`` renders them in Prometheus' text format.
 - ``chrome_trace`` turns trace lines into Chrome-trace/Perfetto events: one
   process per rank, one track per plane, one slice per stage.
-Recording costs one dict per operation and one buffered write; it stays on in
-benchmarks (docs/benchmarks.md gives the measured cost).
+Recording costs one dict per operation (always on, in every benchmark number);
+tracing adds one json.dumps and a buffered write: 25% of an 8-byte all_reduce,
+within noise from 1 MiB (docs/benchmarks.md, bench/telemetry_cost.py).
 """
 from __future__ import annotations
 
