@@ -363,7 +363,6 @@ class Communicator:
             fp = fingerprint.make(name, op, dtype, schedule.algorithm, schedule.root, plan.chunk_bytes, count)
         splitter = self._splitter(single_plane=plan.single_plane)
         health = self._engine.health
-        health.serve()  # peers probing a plane to rejoin wait for our answer
         if health.down:
             health.try_rejoin(time.perf_counter())
         nbytes = schedule.count * np.dtype(dtype).itemsize

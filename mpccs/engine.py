@@ -397,6 +397,19 @@ class Operation:
         }
 
 
+def check_fingerprint(op: "Operation", message: np.ndarray, peer: int, abort_peers, abort_seq: int) -> None:
+    """Compare the fingerprint at the start of a peer's message with ``op.fingerprint``;
+    on a difference tell ``abort_peers`` and raise MismatchError saying what differs."""
+    mine = op.fingerprint
+    theirs = Fingerprint.decode(message[:FP_BYTES].view(np.uint64))
+    diffs = mine.differences(theirs)
+    if diffs:
+        text = (f"rank {op.engine.rank} called {mine.describe()} as operation #{op.seq} but rank "
+                f"{peer} called {theirs.describe()} ({'; '.join(diffs)})")
+        op.engine.broadcast_abort(abort_peers, abort_seq, text)
+        raise MismatchError(text)
+
+
 @dataclass(frozen=True)
 class LocalPlan:
     """What one rank needs of a schedule, computed once per (schedule, rank)."""
@@ -538,13 +551,7 @@ class CollectiveOp(Operation):
             except Exception as exc:  # e.g. longer than any fingerprint: truncated
                 raise ProtocolError(f"malformed fingerprint message: {type(exc).__name__}: {exc}",
                                     rank=self.rank, peer=peer, op=self.name) from None
-            theirs = Fingerprint.decode(self._fp_bufs[row][:FP_BYTES].view(np.uint64))
-            diffs = self.fingerprint.differences(theirs)
-            if diffs:
-                message = (f"rank {self.rank} called {self.fingerprint.describe()} as operation #{self.seq} but rank "
-                           f"{peer} called {theirs.describe()} ({'; '.join(diffs)})")
-                self.engine.broadcast_abort(self.fp_peers, self.seq, message)
-                raise MismatchError(message)
+            check_fingerprint(self, self._fp_bufs[row], peer, self.fp_peers, self.seq)
             if self._fp_blob_cap:
                 self._merge_estimates(peer, self._fp_bufs[row][FP_BYTES:])
             self.verified.add(peer)
@@ -1020,13 +1027,7 @@ class DirectAllReduceOp(Operation):
                                  peer=peer, op=self.name) from None
         buf = self._bufs[row]
         if self.fingerprint is not None:
-            theirs = Fingerprint.decode(buf[:FP_BYTES].view(np.uint64))
-            diffs = self.fingerprint.differences(theirs)
-            if diffs:
-                message = (f"rank {self.engine.rank} called {self.fingerprint.describe()} as operation #{self.seq} "
-                           f"but rank {peer} called {theirs.describe()} ({'; '.join(diffs)})")
-                self.engine.broadcast_abort(self.others, self.wire_seq, message)
-                raise MismatchError(message)
+            check_fingerprint(self, buf, peer, self.others, self.wire_seq)
         self._got[peer] = buf[FP_BYTES:FP_BYTES + self.mine.nbytes].view(self.mine.dtype)
 
     def _reduce(self) -> None:
@@ -1297,16 +1298,8 @@ class Engine:
                 probe = plane.probe(tag, wire.ctrl_any_sender_mask())
                 if probe is None:
                     break
-                got.append((wire.split_tag(probe.sender_tag.value)[3], self._receive_small(plane, probe)))
+                got.append((wire.split_tag(probe.sender_tag.value)[3], plane.take(probe)))
         return got
-
-    def _receive_small(self, plane, probe) -> bytes:
-        buf = np.zeros(max(1, int(probe.length)), dtype=np.uint8)
-        req = plane.recv_probed(buf[: int(probe.length)], probe)
-        deadline = time.perf_counter() + 5
-        while not req.completed and time.perf_counter() < deadline:
-            plane.progress()
-        return bytes(buf[: int(probe.length)])
 
     def drain(self, seq: int) -> bool:
         """Discard every chunk and DONE of a failed attempt that reached any plane."""
@@ -1350,7 +1343,7 @@ class Engine:
                 if probe is None:
                     break
                 _, _, seq, sender, _ = wire.split_tag(probe.sender_tag.value)
-                name, _, reason = self._receive_small(plane, probe).decode(errors="replace").partition("\0")
+                name, _, reason = plane.take(probe).decode(errors="replace").partition("\0")
                 self.failover_notices[seq] = (name[:64], f"rank {sender}: {reason[:ABORT_REASON_MAX]}", sender)
 
     def scratch(self, nbytes: int) -> np.ndarray:
@@ -1387,27 +1380,19 @@ class Engine:
     def poll_aborts(self) -> Optional[MpccsError]:
         """An abort a peer sent for any operation of this communicator, as an error."""
         tag = wire.make_tag(wire.KIND_CTRL, self.comm_id, 0, 0, wire.CTRL_ABORT)
-        mask = wire.FULL_MASK ^ (((wire.SEQ_MOD - 1) << 40) | ((wire.MAX_FLOWS - 1) << 20))
         for plane in self.planes.values():
-            probe = plane.probe(tag, mask)
+            probe = plane.probe(tag, wire.ctrl_any_seq_mask())
             if probe is None:
                 continue
             _, _, seq, sender, _ = wire.split_tag(probe.sender_tag.value)
-            buf = np.zeros(max(1, int(probe.length)), dtype=np.uint8)
-            req = plane.recv_probed(buf[: int(probe.length)], probe)
-            deadline = time.perf_counter() + 5
-            while not req.completed and time.perf_counter() < deadline:
-                plane.progress()
-            reason = bytes(buf[: min(int(probe.length), ABORT_REASON_MAX)]).decode(errors="replace")
+            reason = plane.take(probe)[:ABORT_REASON_MAX].decode(errors="replace")
             cls = MismatchError if "called" in reason else TransportError
             return cls(f"rank {sender} aborted operation #{seq}: {reason}")
         return None
 
     def _watch_planes(self, op: Operation, stalled: float, now: float) -> None:
-        """While an operation stalls: answer heartbeats, learn of failovers, and
-        for a protected collective find a plane that went silent."""
-        self.health.serve()
-        self.poll_failovers()
+        """While a protected collective stalls, find a plane that went silent
+        (progress() answers heartbeats and learns of failovers meanwhile)."""
         if (isinstance(op, CollectiveOp) and op.protected and op.phase == "run"
                 and stalled > self.health.timeout_s):
             verdict = self.health.check(op.fp_peers, now, key=(op.seq, op.attempt))

@@ -63,11 +63,7 @@ class PlaneHealth:
             if probe is None:
                 return got
             _, _, nonce, sender, _ = wire.split_tag(probe.sender_tag.value)
-            buf = np.zeros(max(PING_BYTES, int(probe.length)), dtype=np.uint8)
-            req = plane.recv_probed(buf[: int(probe.length)], probe)
-            deadline = time.perf_counter() + 1.0
-            while not req.completed and time.perf_counter() < deadline:
-                plane.progress()
+            plane.take(probe, timeout_s=1.0)
             got.append((sender, nonce))
 
     def serve(self) -> None:

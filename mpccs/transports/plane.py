@@ -8,6 +8,7 @@ Nothing here knows about collectives; the engine drives the planes.
 from __future__ import annotations
 
 import re
+import time
 from typing import Optional
 
 import numpy as np
@@ -122,6 +123,16 @@ class Plane:
     def recv_probed(self, view: np.ndarray, probe):
         return self._worker.tag_recv_with_handle(Array(view), probe)
 
+    def take(self, probe, timeout_s: float = 5.0) -> bytes:
+        """Receive a probed (small, eager) message at once: its bytes (what arrived by timeout_s)."""
+        n = int(probe.length)
+        buf = np.zeros(max(1, n), dtype=np.uint8)
+        req = self.recv_probed(buf[:n], probe)
+        deadline = time.perf_counter() + timeout_s
+        while not req.completed and time.perf_counter() < deadline:
+            self.progress()
+        return bytes(buf[:n])
+
     def recv(self, view: np.ndarray, tag: int, mask: int = (1 << 64) - 1):
         return self._worker.tag_recv(Array(view), ucx_api.UCXXTag(tag), ucx_api.UCXXTagMask(mask))
 
@@ -153,12 +164,7 @@ class Plane:
         self.cancel_all()
         for _ in range(64):
             self._worker.progress()
-        for ep in self._endpoints.values():
-            try:
-                ep.close()
-            except Exception:
-                pass
-        self._endpoints.clear()
+        self._close_endpoints()
         self._severed.clear()
         for _ in range(16):
             self._worker.progress()
@@ -190,9 +196,12 @@ class Plane:
         if self.closed:
             return
         self.closed = True
+        self._close_endpoints()
+
+    def _close_endpoints(self) -> None:
         for ep in self._endpoints.values():
             try:
                 ep.close()
-            except Exception:
+            except Exception:  # an endpoint already broken by its peer
                 pass
         self._endpoints.clear()
