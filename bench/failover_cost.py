@@ -12,34 +12,20 @@ next to the A/A noise floor (unprotected against unprotected).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
+import abjob  # noqa: E402
 from stats import noise_floor, ratio_ci  # noqa: E402
 
 SIZES = (2 << 20, 64 << 20)  # the target is at 64 MiB; 2 MiB shows the DONE round where it weighs most
 VARIANTS = ("unprotected", "protected", "unprotected#2")
 TARGET = 0.95  # protection may cost at most 5% of busbw
-
-
-def timed(comm, x, inplace: bool, out) -> float:
-    comm.barrier()
-    t0 = time.perf_counter()
-    comm.all_reduce(x, None if inplace else out)
-    dt = np.array([time.perf_counter() - t0])
-    policy = comm.path_policy
-    comm.set_path_policy("up")
-    comm.all_reduce(dt, op="max")
-    comm.set_path_policy(policy)
-    return float(dt[0])
 
 
 def rank_main(repeats: int, out_path: str) -> None:
@@ -58,7 +44,7 @@ def rank_main(repeats: int, out_path: str) -> None:
                 for v in VARIANTS:
                     comm.options = dataclasses.replace(base, failover=not v.startswith("unprotected"))
                     x.fill(1.0)
-                    dt = timed(comm, x, inplace, out)
+                    dt = abjob.timed(comm, lambda: comm.all_reduce(x, None if inplace else out))
                     if i >= 3:
                         times[v].append(dt)
             rows.append({"nbytes": nbytes, "policy": str(policy), "inplace": inplace, "times": times})
@@ -97,25 +83,7 @@ def report(data: dict) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="bench/results/failover_cost")
-    p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    path = os.path.join(args.out, "cost.json")
-    if args.rank:
-        rank_main(args.repeats, path)
-        return
-    os.makedirs(args.out, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run([os.path.join(os.path.dirname(sys.executable), "mpccs-run"), "-n", "2", "--no-prefix",
-                    sys.executable, __file__, "--rank", "--out", args.out, "--repeats", str(args.repeats)],
-                   check=True, env=env, timeout=1800)
-    with open(path) as f:
-        text = report(json.load(f))
-    with open(os.path.join(args.out, "report.md"), "w") as f:
-        f.write(text)
-    print(text)
+    abjob.main(__file__, __doc__.split("\n\n")[0], "bench/results/failover_cost", 15, rank_main, report)
 
 
 if __name__ == "__main__":

@@ -11,30 +11,19 @@ Per-op time = max across ranks.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
+import abjob  # noqa: E402
 from stats import noise_floor, ratio_ci  # noqa: E402
 
 SIZES = (8, 64 << 10, 1 << 20, 64 << 20)
 VARIANTS = ("untraced", "traced", "untraced#2")
-
-
-def timed(comm, x) -> float:
-    comm.barrier()
-    t0 = time.perf_counter()
-    comm.all_reduce(x)
-    dt = np.array([time.perf_counter() - t0])
-    comm.all_reduce(dt, op="max")
-    return float(dt[0])
 
 
 def rank_main(repeats: int, out_path: str) -> None:
@@ -52,7 +41,7 @@ def rank_main(repeats: int, out_path: str) -> None:
         for i in range(repeats + 3):
             for v in VARIANTS:
                 comm._telemetry = traced if v == "traced" else plain
-                dt = timed(comm, x)
+                dt = abjob.timed(comm, lambda: comm.all_reduce(x))
                 if i >= 3:
                     times[v].append(dt)
         comm._telemetry = plain
@@ -85,24 +74,7 @@ def report(data: dict) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="bench/results/telemetry_cost")
-    p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    path = os.path.join(args.out, "cost.json")
-    if args.rank:
-        rank_main(args.repeats, path)
-        return
-    os.makedirs(args.out, exist_ok=True)
-    subprocess.run([os.path.join(os.path.dirname(sys.executable), "mpccs-run"), "-n", "2", "--no-prefix",
-                    sys.executable, __file__, "--rank", "--out", args.out, "--repeats", str(args.repeats)],
-                   check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=1800)
-    with open(path) as f:
-        text = report(json.load(f))
-    with open(os.path.join(args.out, "report.md"), "w") as f:
-        f.write(text)
-    print(text)
+    abjob.main(__file__, __doc__.split("\n\n")[0], "bench/results/telemetry_cost", 30, rank_main, report)
 
 
 if __name__ == "__main__":
