@@ -39,24 +39,22 @@ _RATE_UNITS = {"gb/s": 1.0, "gbps": 1.0, "mb/s": 1e-3, "gbit/s": 1 / 8, "mbit/s"
 _TIME_UNITS = {"us": 1.0, "ms": 1e3, "s": 1e6, "ns": 1e-3}
 
 
-def parse_rate_GBps(text: str) -> float:
+def _parse_quantity(text: str, units: dict, default_unit: str, what: str, example: str) -> float:
     m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z/]*)\s*", text)
     if not m:
-        raise argparse.ArgumentTypeError(f"bad rate {text!r} (e.g. 0.29GB/s, 2.4Gbit/s)")
-    unit = (m.group(2) or "GB/s").lower()
-    if unit not in _RATE_UNITS:
-        raise argparse.ArgumentTypeError(f"unknown rate unit {unit!r}; use one of {sorted(_RATE_UNITS)}")
-    return float(m.group(1)) * _RATE_UNITS[unit]
+        raise argparse.ArgumentTypeError(f"bad {what} {text!r} (e.g. {example})")
+    unit = (m.group(2) or default_unit).lower()
+    if unit not in units:
+        raise argparse.ArgumentTypeError(f"unknown {what} unit {unit!r}; use one of {sorted(units)}")
+    return float(m.group(1)) * units[unit]
+
+
+def parse_rate_GBps(text: str) -> float:
+    return _parse_quantity(text, _RATE_UNITS, "GB/s", "rate", "0.29GB/s, 2.4Gbit/s")
 
 
 def parse_time_us(text: str) -> float:
-    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"bad time {text!r} (e.g. 25us, 1ms)")
-    unit = (m.group(2) or "us").lower()
-    if unit not in _TIME_UNITS:
-        raise argparse.ArgumentTypeError(f"unknown time unit {unit!r}; use one of {sorted(_TIME_UNITS)}")
-    return float(m.group(1)) * _TIME_UNITS[unit]
+    return _parse_quantity(text, _TIME_UNITS, "us", "time", "25us, 1ms")
 
 
 def parse_plane(text: str):
