@@ -1193,7 +1193,7 @@ class RecvOp(Operation):
             flow = Flow(id=0, src=self.src, dst=self.engine.rank, src_buf="in", src_off=0, dst_buf="out", dst_off=0, count=sent)
             ce = flow_chunk_elems(sent, self.chunk_bytes, MIN_CHUNK_BYTES)
             tag = wire.make_tag(wire.KIND_P2P, self.engine.comm_id, self.seq, self.src)
-            self.inflow = InFlow(flow, self.buf, ce, tag, self.engine.planes_to(self.src))
+            self.inflow = InFlow(flow, self.buf, ce, tag, self.engine.planes_from(self.src))
             return True
         moved = False
         for plane in self.inflow.planes:
@@ -1256,7 +1256,7 @@ class Engine:
         self.liveness: Optional[Callable[[], list]] = None  # returns ranks known to be gone
         self.health = PlaneHealth(rank, comm_id, planes, plane_timeout_s, reprobe_s)
         self.failover_notices: dict[int, tuple] = {}  # attempt seq -> (plane, reason, sender)
-        self._failovers_sent: dict[int, str] = {}
+        self._failovers_sent: set[int] = set()  # attempts this rank already announced
         self._ctrl_sends: list = []
         self._parked: list = []
         self._next_control_poll = 0.0
@@ -1327,7 +1327,7 @@ class Engine:
             return
         if len(self._failovers_sent) > 64:
             self._failovers_sent.clear()
-        self._failovers_sent[seq] = name
+        self._failovers_sent.add(seq)
         payload = (name + "\0" + reason[:ABORT_REASON_MAX]).encode()
         for peer in peers:
             try:
