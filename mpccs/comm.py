@@ -424,7 +424,7 @@ class Communicator:
         # Always the control plane (scale-up where it reaches): both ends must
         # agree on the plane without a round trip, and plane state (a plane
         # down, rejoining) may differ between ranks for a moment.
-        dop = DirectAllReduceOp(self._engine, self._next_seq(), send, out, op, self.size, fp, None, finalize, name)
+        dop = DirectAllReduceOp(self._engine, self._next_seq(), send, out, op, self.size, fp, finalize, name)
         return self._submit(dop, result, async_op)
 
     def _avg(self, op, buf):

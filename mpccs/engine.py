@@ -976,8 +976,8 @@ class DirectAllReduceOp(Operation):
     algorithm = "direct"
 
     def __init__(self, engine, seq, send: np.ndarray, out: np.ndarray, op: str, world: int,
-                 fingerprint: Optional[Fingerprint], plane_name: Optional[str] = None,
-                 finalize: Optional[Callable] = None, name: str = "all_reduce"):
+                 fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,
+                 name: str = "all_reduce"):
         super().__init__(engine, seq)
         self.name = name
         self.op, self.out, self.finalize, self.fingerprint = op, out, finalize, fingerprint
@@ -991,7 +991,7 @@ class DirectAllReduceOp(Operation):
         self._bufs = np.zeros((len(self.others), cap), dtype=np.uint8)
         self._sends, self._recvs, self._got = [], [], {}
         for row, peer in enumerate(self.others):
-            plane = engine.planes[plane_name] if plane_name else engine.control_plane(peer)
+            plane = engine.control_plane(peer)
             out_tag = wire.make_tag(wire.KIND_CTRL, engine.comm_id, self.wire_seq, me, wire.CTRL_FINGERPRINT)
             in_tag = wire.make_tag(wire.KIND_CTRL, engine.comm_id, self.wire_seq, peer, wire.CTRL_FINGERPRINT)
             self._sends.append(plane.send(peer, self._payload, out_tag))
