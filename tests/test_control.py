@@ -524,3 +524,33 @@ def test_tuner_covers_every_collective():
             plan = choose(coll, 6, n, Topology.blocks(6, 3), EST)
             assert plan.algorithm in algs and plan.chunk_bytes >= 64 * KiB
             assert all(math.isfinite(t["single"]) or a == "hierarchical" for a, t in plan.reason["times_s"].items())
+
+
+def test_export_reuses_recent_entries_until_a_rate_steps_or_flags_change():
+    from mpccs.control.controller import EXPORT_REUSE_CALLS
+    ctl = PathController(ControlConfig(), rank=0)
+    est, t = ctl.estimator, 0.0
+
+    def feed(rate, n=8):
+        # back-to-back chunks on a busy 'up' path: full-rate samples
+        nonlocal t
+        start = t
+        for _ in range(n):  # all posted at once, completing one after another
+            t += (1 << 20) / rate
+            est.observe(0, "up", 1, 1 << 20, start, t)
+
+    feed(8e9)
+    first = ctl.export_estimates(t)
+    feed(9e9)  # a small change: the blob may be reused for a few calls ...
+    assert ctl.export_estimates(t) is first
+    for _ in range(EXPORT_REUSE_CALLS):
+        blob = ctl.export_estimates(t)
+    assert blob != first  # ... then refreshed
+    regime = est.regime_changes(0)
+    feed(2e9, 16)  # a step down: refreshed at once
+    assert est.regime_changes(0) > regime
+    stepped = ctl.export_estimates(t)
+    assert stepped != blob
+    ctl.merge_estimates(1, stepped)
+    view = ctl.estimator.measured(1)
+    assert view[("up", 1)].rate_Bps < 3e9

@@ -190,6 +190,11 @@ class _RankState:
 _BLOB_VERSION = 1
 _HDR = struct.Struct("<BBH")
 _ENTRY = struct.Struct("<BIff")
+# An export reuses the previous one's entries for this many calls unless a
+# plane's rate stepped (the estimator's regime count moved) or the dropped
+# flags changed: computing them is ~30 us of Python, 4% of a 2 MiB
+# all_reduce on shared memory, while decisions are reused for 8 operations.
+EXPORT_REUSE_CALLS = 4
 
 
 class PathController:
@@ -214,6 +219,8 @@ class PathController:
         self._shares: dict[tuple, float] = {}         # (src, dst, size class) -> share on 'out'
         self._events: deque = deque(maxlen=64)
         self._last_reason: Optional[dict] = None
+        self._export_cache: Optional[tuple] = None    # (calls, flags, regime changes, blob)
+        self._exports = 0
         if self.config.start_on_one_plane and rank is not None:
             # 'out' has to earn its place: it starts dropped and is probed
             # after a couple of decisions; a probe that shows a gain re-adds it.
@@ -754,17 +761,24 @@ class PathController:
     # ------------------------------------------------------------ estimates I/O
     def export_estimates(self, now: Optional[float] = None) -> bytes:
         """This rank's measured estimates, to piggyback on its chunks (13 B per plane and peer)."""
-        entries = self.estimator.local_entries(self.rank, now)
         st = self._states.get(self.rank)
         flags = 0
         for i, plane in enumerate(PLANES):
             if st is not None and plane in st.dropped:
                 flags |= 1 << i
+        self._exports += 1
+        regime = self.estimator.regime_changes(self.rank)
+        cached = self._export_cache
+        if (cached is not None and cached[1:3] == (flags, regime)
+                and self._exports - cached[0] < EXPORT_REUSE_CALLS):
+            return cached[3]
+        entries = self.estimator.local_entries(self.rank, now)
         body = b"".join(_ENTRY.pack(PLANES.index(p), peer, rate, lat)
                         for (p, peer), (rate, lat) in sorted(entries.items()))
         blob = bytes([_BLOB_VERSION]) + _HDR.pack(flags, 0, len(entries)) + body
         if self.config.decide_from_exported_view:
             self.merge_estimates(self.rank, blob)
+        self._export_cache = (self._exports, flags, regime, blob) if entries else None
         return blob
 
     @staticmethod

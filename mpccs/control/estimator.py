@@ -150,16 +150,20 @@ class PathEstimator:
             return list(samples)
         return [s for s in samples if now - s[0] <= self.max_age_s]
 
-    def _full_rate(self, now: Optional[float]) -> Optional[float]:
-        rounds = self._fresh(self._rounds, now)
-        if rounds:
-            return max(r for _, r in rounds)
+    def _snapshot(self, now: Optional[float]) -> "_Fresh":
+        """The samples still inside the age window, filtered once per query."""
         p = self._pending
-        if p[2] and (now is None or now - p[3] <= self.max_age_s):
-            return p[0] / p[1]  # not a full round yet
-        return None
+        pending = p[0] / p[1] if p[2] and (now is None or now - p[3] <= self.max_age_s) else None
+        return _Fresh(self._fresh(self._rounds, now), pending, p[2],
+                      self._fresh(self._clean_delays, now), self._fresh(self._delays, now))
 
-    def _idle_only_model(self, now: Optional[float]) -> Optional[tuple[float, float]]:
+    @staticmethod
+    def _full_rate(fresh: "_Fresh") -> Optional[float]:
+        if fresh.rounds:
+            return max(r for _, r in fresh.rounds)
+        return fresh.pending_rate  # not a full round yet (or None)
+
+    def _idle_only_model(self, fresh: "_Fresh") -> Optional[tuple[float, float]]:
         """(rate, fixed delay) when every chunk started an idle plane.
 
         Then each completion latency is ``a + n / B`` and no sample isolates
@@ -169,71 +173,106 @@ class PathEstimator:
         least-squares line through (n, latency) separates the two; otherwise
         the configured prior delay is assumed.
         """
-        fresh = self._fresh(self._clean_delays, now)
-        if not fresh:
+        if fresh.idle_model is _UNSET:
+            fresh.idle_model = self._fit_idle_only(fresh.clean)
+        return fresh.idle_model
+
+    def _fit_idle_only(self, clean: list) -> Optional[tuple[float, float]]:
+        if not clean:
             return None
-        sizes = [n for _, _, n in fresh]
+        sizes = [n for _, _, n in clean]
         if max(sizes) >= 2 * min(sizes):
-            m = len(fresh)
+            m = len(clean)
             mean_n = sum(sizes) / m
-            mean_l = sum(lat for _, lat, _ in fresh) / m
+            mean_l = sum(lat for _, lat, _ in clean) / m
             var = sum((n - mean_n) ** 2 for n in sizes)
-            slope = sum((n - mean_n) * (lat - mean_l) for _, lat, n in fresh) / var
+            slope = sum((n - mean_n) * (lat - mean_l) for _, lat, n in clean) / var
             a = mean_l - slope * mean_n
             if slope > 0 and a >= 0:
                 return 1.0 / slope, a
         a = self.prior_latency_s
-        rate = max(n / max(lat - a, 0.1 * lat) for _, lat, n in fresh)
-        return rate, min(a, min(lat for _, lat, _ in fresh))
+        rate = max(n / max(lat - a, 0.1 * lat) for _, lat, n in clean)
+        return rate, min(a, min(lat for _, lat, _ in clean))
 
     def rate(self, now: Optional[float] = None) -> Optional[float]:
-        full = self._full_rate(now)
+        return self._rate(self._snapshot(now))
+
+    def _rate(self, fresh: "_Fresh") -> Optional[float]:
+        full = self._full_rate(fresh)
         if full is not None:
             return full
-        model = self._idle_only_model(now)
+        model = self._idle_only_model(fresh)
         return model[0] if model else None
 
     def samples(self, now: Optional[float] = None) -> int:
-        full = len(self._fresh(self._rounds, now)) * self.round_samples + self._pending[2]
-        return full or len(self._fresh(self._clean_delays, now))
+        return self._samples(self._snapshot(now))
 
-    def _delay_samples(self, now: Optional[float]):
-        return self._fresh(self._clean_delays, now) or self._fresh(self._delays, now)
+    def _samples(self, fresh: "_Fresh") -> int:
+        full = len(fresh.rounds) * self.round_samples + fresh.pending_samples
+        return full or len(fresh.clean)
+
+    @staticmethod
+    def _delay_samples(fresh: "_Fresh"):
+        return fresh.clean or fresh.delays
 
     def base_delay(self, now: Optional[float] = None) -> Optional[float]:
-        return min((s[1] for s in self._delay_samples(now)), default=None)
+        return self._base_delay(self._snapshot(now))
+
+    def _base_delay(self, fresh: "_Fresh") -> Optional[float]:
+        return min((s[1] for s in self._delay_samples(fresh)), default=None)
 
     def latency(self, rate_Bps: float, now: Optional[float] = None) -> Optional[float]:
         """min(latency - nbytes / B): the fixed delay, serialisation removed."""
-        if self._full_rate(now) is None:
-            model = self._idle_only_model(now)
+        return self._latency(rate_Bps, self._snapshot(now))
+
+    def _latency(self, rate_Bps: float, fresh: "_Fresh") -> Optional[float]:
+        if self._full_rate(fresh) is None:
+            model = self._idle_only_model(fresh)
             return model[1] if model else None
-        fresh = self._delay_samples(now)
-        if not fresh or rate_Bps <= 0:
+        samples = self._delay_samples(fresh)
+        if not samples or rate_Bps <= 0:
             return None
-        return max(0.0, min(lat - n / rate_Bps for _, lat, n in fresh))
+        return max(0.0, min(lat - n / rate_Bps for _, lat, n in samples))
 
     def estimate(self, now: Optional[float] = None) -> Optional[PathEstimate]:
         # Cached until a sample arrives or the oldest one ages out.
         cached = self._cache
         if cached is not None and cached[0] == self._version and now is not None and now < cached[1]:
             return cached[2]
-        est = self._compute(now)
+        fresh = self._snapshot(now)
+        est = self._compute(fresh)
         if now is not None:
-            times = [s[0] for q in (self._rounds, self._clean_delays, self._delays) for s in q]
-            if self._pending[2]:
+            times = [s[0] for s in fresh.rounds] + [s[0] for s in fresh.clean] + [s[0] for s in fresh.delays]
+            if fresh.pending_rate is not None:
                 times.append(self._pending[3])
-            oldest = min((t for t in times if now - t <= self.max_age_s), default=math.inf)
+            oldest = min(times, default=math.inf)
             self._cache = (self._version, oldest + self.max_age_s, est)
         return est
 
-    def _compute(self, now: Optional[float]) -> Optional[PathEstimate]:
-        rate = self.rate(now)
-        base = self.base_delay(now)
+    def _compute(self, fresh: "_Fresh") -> Optional[PathEstimate]:
+        # One filtered snapshot serves rate, delays and the sample count
+        # (this runs for every adaptive operation's estimate export).
+        rate = self._rate(fresh)
+        base = self._base_delay(fresh)
         if rate is None or base is None:
             return None
-        lat = self.latency(rate, now)
-        return PathEstimate(rate, lat if lat is not None else 0.0, base, self.samples(now), True)
+        lat = self._latency(rate, fresh)
+        return PathEstimate(rate, lat if lat is not None else 0.0, base, self._samples(fresh), True)
+
+
+_UNSET = object()
+
+
+@dataclass
+class _Fresh:
+    """A path's samples inside the age window at one instant."""
+
+    rounds: list
+    pending_rate: Optional[float]
+    pending_samples: int
+    clean: list
+    delays: list
+    idle_model: object = _UNSET  # _idle_only_model's fit, computed at most once
 
 
 class Estimator:
