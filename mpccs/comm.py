@@ -371,24 +371,36 @@ class Communicator:
         if self._policy == "adaptive" and self._multipath_eligible(nbytes, plan.single_plane):
             self._epoch += 1  # the same count on every rank: the controller's shared clock
             epoch = self._epoch
+        carries = self._may_carry_failable(epoch) if protected and self._policy == "adaptive" else None
         snapshot, unsaved = None, False
         if protected and name in ("all_reduce", "reduce") and np.shares_memory(buffers["in"], buffers["out"]):
             # The retry restarts from the caller's input. Under 'adaptive', when
             # every rank has 'out' dropped with no probe due (the piggybacked
             # flags say so), skip the copy: a failure then aborts cleanly
             # instead of retrying (docs/reliability.md).
-            if self._policy == "adaptive" and not self._engine.controller.may_use(OUT, epoch):
+            if carries is False:
                 unsaved = True
             else:
                 snapshot = buffers["in"].copy()
         cop = CollectiveOp(self._engine, self._next_seq(), schedule, buffers, dtype, op, splitter,
                            plan.chunk_bytes, name, finalize, fp, protected=protected, snapshot=snapshot,
-                           input_unsaved=unsaved, epoch=epoch)
+                           input_unsaved=unsaved, epoch=epoch, carries_failable=carries)
         return self._submit(cop, result, async_op)
 
     def _multipath_eligible(self, nbytes: int, single_plane: bool) -> bool:
         """An adaptive call the controller may split (deterministic: the same on every rank)."""
         return not single_plane and nbytes >= self._engine.controller.config.min_multipath_bytes
+
+    def _may_carry_failable(self, epoch: Optional[int]) -> bool:
+        """Whether this rank may put bytes of an adaptive operation on a failable
+        plane: False only when 'out' is dropped here and at every rank we heard
+        from with no probe due (controller.may_use), 'up' reaches every rank
+        and cannot fail itself. False is a promise the operation keeps (it
+        sends on 'up' only) and declares to its peers (engine._resolve_protection)."""
+        up = self._planes.get(UP)
+        if up is None or up.failable or not all(up.reaches(r) for r in range(self.size) if r != self.rank):
+            return True
+        return epoch is None or self._engine.controller.may_use(OUT, epoch)
 
     def _protected(self, nbytes: int, single_plane: bool) -> bool:
         """Whether a call runs under the failover protocol (the same answer on every rank:

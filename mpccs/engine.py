@@ -32,12 +32,17 @@ from .algorithms.schedule import Flow, Schedule, Stage
 from .fingerprint import Fingerprint
 from .errors import MismatchError, MpccsError, OperationTimeout, PlaneFailure, ProtocolError, TransportError
 from .health import PlaneHealth
-from .reduce import reduce_into
+from .prologue import DeferredCopies
+from .reduce import reduce_into, reduce_to
 from .telemetry import wall
 from .windows import OUT, UP, FlowCursor, boundary_for, chunk_count, chunk_range, flow_chunk_elems
 
 MIN_CHUNK_BYTES = 64 << 10
 FP_BYTES = 16  # a fingerprint's two uint64 words
+# Under 'adaptive' a byte after the fingerprint declares whether the sender may
+# put bytes of this operation on a failable plane (0: no declaration, e.g. a
+# peer on a fixed policy; read as "may").
+DECLARES_SAFE, DECLARES_CARRY = 1, 2
 ABORT_REASON_MAX = 1024
 IDLE_SPINS_BEFORE_YIELD = 16
 MIN_SAMPLE_BYTES = 64 << 10  # smaller chunks measure latency and skew, not a link's rate
@@ -259,11 +264,16 @@ class OutFlow:
 
 
 class InFlow:
-    __slots__ = ("flow", "view", "chunk_elems", "nchunks", "seen", "arrived", "tag_base", "reduce", "peer", "planes")
+    __slots__ = ("flow", "view", "acc", "chunk_elems", "nchunks", "seen", "arrived", "tag_base", "reduce", "peer",
+                 "planes")
 
-    def __init__(self, flow: Flow, view: np.ndarray, chunk_elems: int, tag_base: int, planes: list):
+    def __init__(self, flow: Flow, view: np.ndarray, chunk_elems: int, tag_base: int, planes: list,
+                 acc: Optional[np.ndarray] = None):
         self.flow = flow
         self.view = view  # typed 1-D destination range
+        # A reducing flow whose destination still waits for its prologue copy
+        # reduces op(acc, incoming) into view: the copy and the reduction in one pass.
+        self.acc = acc
         self.chunk_elems = chunk_elems
         self.nchunks = chunk_count(flow.count, chunk_elems)
         self.seen = bytearray(self.nchunks)
@@ -449,7 +459,8 @@ class CollectiveOp(Operation):
     def __init__(self, engine, seq, schedule: Schedule, buffers: dict, dtype, op: str,
                  splitter: Splitter, chunk_bytes: int, name: str, finalize: Optional[Callable] = None,
                  fingerprint=None, protected: bool = False, snapshot: Optional[np.ndarray] = None,
-                 input_unsaved: bool = False, epoch: Optional[int] = None):
+                 input_unsaved: bool = False, epoch: Optional[int] = None,
+                 carries_failable: Optional[bool] = None):
         super().__init__(engine, seq)
         # Failover (docs/reliability.md): a protected operation completes only
         # once every rank has all its data (the DONE round), so no rank has
@@ -458,6 +469,13 @@ class CollectiveOp(Operation):
         # the planes left, from its intact inputs (``snapshot`` restores an
         # in-place input).
         self.protected = protected
+        # False: this rank promised (in its fingerprint message) to send nothing
+        # on a failable plane, and keeps the promise by sending on 'up' only.
+        # When every rank promised so, no plane failure can touch the
+        # operation and the DONE round is waived (_resolve_protection).
+        self.carries_failable = carries_failable
+        self.protection_waived = False
+        self._peer_carries: set = set()
         self.snapshot = snapshot
         self.input_unsaved = input_unsaved  # in place, no copy taken: a failure cannot be retried
         self.epoch = epoch  # the controller's shared clock (comm: multipath-eligible adaptive operations)
@@ -508,7 +526,7 @@ class CollectiveOp(Operation):
         self.remaining_deps = dict(local.dep_counts)
         self.dependents = local.dependents
         self.stage_by_id = local.stage_by_id
-        self._run_copies(self.schedule.prologue)
+        self.deferred = DeferredCopies(self.schedule.prologue, self.rank, self.buffers)
         self.ready = list(local.initial_ready)
 
     def _exchange_fingerprints(self) -> None:
@@ -525,7 +543,8 @@ class CollectiveOp(Operation):
         self._fp_blob_cap = 0
         if controller is not None and self.splitter.policy == "adaptive":
             blob = controller.export_estimates(time.perf_counter())
-            payload = np.concatenate([payload, np.frombuffer(blob, dtype=np.uint8)])
+            declared = DECLARES_SAFE if self.carries_failable is False else DECLARES_CARRY
+            payload = np.concatenate([payload, np.array([declared], np.uint8), np.frombuffer(blob, dtype=np.uint8)])
             self._fp_blob_cap = controller.blob_capacity(self.schedule.world - 1)
         self._fp_payload = payload
         for peer in self.fp_peers:
@@ -553,10 +572,24 @@ class CollectiveOp(Operation):
                                     rank=self.rank, peer=peer, op=self.name) from None
             check_fingerprint(self, self._fp_bufs[row], peer, self.fp_peers, self.seq)
             if self._fp_blob_cap:
-                self._merge_estimates(peer, self._fp_bufs[row][FP_BYTES:])
+                if self._fp_bufs[row][FP_BYTES] != DECLARES_SAFE:
+                    self._peer_carries.add(peer)
+                self._merge_estimates(peer, self._fp_bufs[row][FP_BYTES + 1:])
             self.verified.add(peer)
         self._fp_recvs = still
+        if not still:
+            self._resolve_protection()
         return len(still) < before
+
+    def _resolve_protection(self) -> None:
+        """Waive the DONE round when every rank declared it sends nothing on a
+        failable plane: a plane failure cannot touch this operation then. Only
+        where the fingerprint exchange reached every other rank (the DONE
+        round's peers), so every rank reaches the same answer."""
+        if (self.protected and self.carries_failable is False and self._fp_blob_cap
+                and not self._peer_carries and set(self.fp_peers) >= set(self.others)):
+            self.protected = False
+            self.protection_waived = True
 
     def _merge_estimates(self, peer: int, buf: np.ndarray) -> None:
         controller = self.engine.controller
@@ -602,17 +635,49 @@ class CollectiveOp(Operation):
             plan = self._plan_stage(sized, now, others)
             self.window = plan.window_bytes
             for f in mine_out:
-                view = self.buffers[f.src_buf][f.src_off : f.src_off + f.count]
+                view = self._send_view(f)
                 ce = flow_chunk_elems(f.count, self.plan_chunk_elems, self.min_chunk_elems)
                 tag = wire.make_tag(wire.KIND_COLL, comm_id, self.wire_seq, f.id)
-                outs.append(OutFlow(f, view, ce, plan.splits[f.id], tag, self.splitter.reach(f.dst)))
+                outs.append(OutFlow(f, view, ce, plan.splits[f.id], tag, self._reach(f.dst)))
         ins = []
         for f in mine_in:
-            view = self.buffers[f.dst_buf][f.dst_off : f.dst_off + f.count]
+            view, acc = self._receive_target(f)
             ce = flow_chunk_elems(f.count, self.plan_chunk_elems, self.min_chunk_elems)
             ins.append(InFlow(f, view, ce, wire.make_tag(wire.KIND_COLL, comm_id, self.wire_seq, f.id),
-                              self.engine.planes_from(f.src)))
+                              self.engine.planes_from(f.src), acc))
         self.active.append(StageRun(stage, outs, ins, plan, now))
+
+    def _send_view(self, f: Flow) -> np.ndarray:
+        """What a flow sends: its source range, or, while that still waits for
+        its prologue copy, the copy's source (prologue.py)."""
+        lo, hi = f.src_off, f.src_off + f.count
+        deferred = self.deferred
+        if deferred:
+            source = deferred.source_of(f.src_buf, lo, hi)
+            if source is not None:
+                return source
+            deferred.materialize(f.src_buf, lo, hi)
+        return self.buffers[f.src_buf][lo:hi]
+
+    def _receive_target(self, f: Flow) -> tuple[np.ndarray, Optional[np.ndarray]]:
+        """(destination range, operand to reduce from instead of it, or None)."""
+        lo, hi = f.dst_off, f.dst_off + f.count
+        view = self.buffers[f.dst_buf][lo:hi]
+        deferred = self.deferred
+        if not deferred or not deferred.overlaps(f.dst_buf, lo, hi):
+            return view, None
+        acc = deferred.source_of(f.dst_buf, lo, hi) if f.reduce else None
+        if f.reduce and acc is None:
+            deferred.materialize(f.dst_buf, lo, hi)
+        else:
+            deferred.discard(f.dst_buf, lo, hi)  # overwritten, or reduced from acc, whole
+        return view, acc
+
+    def _reach(self, peer: int) -> tuple[bool, bool]:
+        up_ok, out_ok = self.splitter.reach(peer)
+        if self.carries_failable is False and up_ok:
+            return up_ok, False  # the declaration binds: whatever the plan says, nothing on 'out'
+        return up_ok, out_ok
 
     def _plan_stage(self, sized, now, others=()) -> StagePlan:
         """The split of this rank's flows in a stage; decided once per operation
@@ -826,7 +891,11 @@ class CollectiveOp(Operation):
             if scratch is not None:
                 offset, nelems = chunk_range(index, inflow.flow.count, inflow.chunk_elems)
                 incoming = scratch[:nbytes].view(self.dtype)
-                reduce_into(inflow.view[offset : offset + nelems], incoming, self.op)
+                if inflow.acc is not None:
+                    reduce_to(inflow.view[offset : offset + nelems], inflow.acc[offset : offset + nelems],
+                              incoming, self.op)
+                else:
+                    reduce_into(inflow.view[offset : offset + nelems], incoming, self.op)
                 self.engine.release_scratch(scratch)
             inflow.arrived += 1
         self.in_chunks = still
@@ -920,7 +989,16 @@ class CollectiveOp(Operation):
                 op=self.name, stage=run.stage.id,
             ) from exc
 
+    def _fail(self, exc: BaseException) -> None:
+        # The output holds what the prologue put there even when the operation
+        # fails (a failed all_gather still has the rank's own block in place).
+        deferred = getattr(self, "deferred", None)
+        if deferred:
+            deferred.flush()
+        super()._fail(exc)
+
     def _complete(self) -> None:
+        self.deferred.flush()
         self._run_copies(self.schedule.epilogue)
         if self.finalize is not None:
             self.finalize()
@@ -948,6 +1026,7 @@ class CollectiveOp(Operation):
         out.update(
             algorithm=self.schedule.algorithm, channels=self.schedule.channels,
             policy=_policy_name(self.splitter.policy), stages=self.stage_log,
+            protected=self.protected, protection_waived=self.protection_waived,
         )
         if self.attempt or self.events:
             out.update(attempts=self.attempt + 1, failover=self.failover, events=list(self.events))
@@ -1052,7 +1131,7 @@ def fp_blob_capacity(engine, world: int) -> int:
     """Bytes a fingerprint message may carry after the fingerprint: piggybacked
     estimates, or a direct all_reduce's payload (so either kind of message fits
     the other's receive, and a mismatch between them is reported, not truncated)."""
-    blob = engine.controller.blob_capacity(world - 1) if engine.controller is not None else 0
+    blob = 1 + engine.controller.blob_capacity(world - 1) if engine.controller is not None else 0  # + declaration
     return max(blob, DIRECT_MAX_BYTES)
 
 

@@ -30,6 +30,11 @@ def reduce_into(dst: np.ndarray, src: np.ndarray, op: str) -> None:
     _UFUNC[op](dst, src, out=dst)
 
 
+def reduce_to(dst: np.ndarray, a: np.ndarray, b: np.ndarray, op: str) -> None:
+    """dst = op(a, b): a reduction whose left operand is not yet in dst (engine: deferred prologue copies)."""
+    _UFUNC[op](a, b, out=dst)
+
+
 def finish_avg(buf: np.ndarray, world: int) -> None:
     """avg = sum / world, computed in float32 (or wider) and rounded once."""
     if buf.dtype.itemsize < 4:

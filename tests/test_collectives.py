@@ -114,6 +114,11 @@ def all_policies_bitwise(comm, algorithm, n):
     for policy in ("up", "out", 0.5, 0.8, "adaptive"):
         comm.set_path_policy(policy)
         results.append(comm.all_reduce(x.copy(), algorithm=algorithm).tobytes())
+        # Out of place the prologue copy is deferred (reductions read the input
+        # directly): the bits must not change, nor the input.
+        before = x.copy()
+        results.append(comm.all_reduce(x, np.empty_like(x), algorithm=algorithm).tobytes())
+        assert np.array_equal(x, before)
     return results
 
 

@@ -1,0 +1,62 @@
+"""Deferred prologue copies (mpccs.prologue): pure bookkeeping, no ranks."""
+import numpy as np
+
+from mpccs.algorithms.schedule import LocalCopy
+from mpccs.prologue import DeferredCopies
+
+
+def buffers(n=16, inplace=False):
+    src = np.arange(n, dtype=np.float32) + 1
+    out = src if inplace else np.zeros(n, np.float32)
+    return {"in": src, "out": out, "work": np.zeros(2 * n, np.float32)}
+
+
+def whole(n=16, dst="out", dst_off=0, rank=0):
+    return LocalCopy(rank, "in", 0, dst, dst_off, n)
+
+
+def test_sends_read_the_source_while_the_copy_is_pending():
+    b = buffers()
+    d = DeferredCopies([whole()], 0, b)
+    view = d.source_of("out", 4, 8)
+    assert view is not None and np.shares_memory(view, b["in"])
+    assert np.array_equal(view, b["in"][4:8])
+    assert not b["out"].any()  # nothing copied yet
+    d.flush()
+    assert np.array_equal(b["out"], b["in"]) and not d
+
+
+def test_overwritten_ranges_are_never_copied_and_the_rest_is_flushed():
+    b = buffers()
+    d = DeferredCopies([whole()], 0, b)
+    d.discard("out", 0, 10)
+    b["out"][0:10] = -1  # the flow that overwrote them
+    d.flush()
+    assert (b["out"][:10] == -1).all()
+    assert np.array_equal(b["out"][10:], b["in"][10:])
+
+
+def test_partial_overlap_materialises_only_the_overlap():
+    b = buffers()
+    d = DeferredCopies([whole(8, "out", 4)], 0, b)  # out[4:12] = in[0:8]
+    assert d.source_of("out", 2, 6) is None  # straddles the pending range's start
+    assert d.overlaps("out", 2, 6) and not d.overlaps("out", 12, 16)
+    d.materialize("out", 2, 6)
+    assert np.array_equal(b["out"][4:6], b["in"][0:2]) and not b["out"][6:].any()
+    assert np.array_equal(d.source_of("out", 6, 12), b["in"][2:8])  # the remainder still maps right
+    d.flush()
+    assert np.array_equal(b["out"][4:12], b["in"][:8]) and not b["out"][:4].any()
+
+
+def test_other_ranks_copies_and_in_place_no_ops_are_ignored():
+    b = buffers(inplace=True)
+    d = DeferredCopies([whole(rank=1), whole()], 0, b)
+    assert not d  # rank 1's copy is not ours; ours is out = in in place
+
+
+def test_in_place_input_is_copied_up_front_because_it_changes():
+    b = buffers(inplace=True)
+    d = DeferredCopies([whole(16, "work", 16)], 0, b)
+    assert not d and np.array_equal(b["work"][16:], b["in"])
+    b["out"][:] = 0  # the operation writes its output (= its input)
+    assert b["work"][16:].sum() == np.arange(1, 17).sum()
