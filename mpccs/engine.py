@@ -48,6 +48,9 @@ IDLE_SPINS_BEFORE_YIELD = 16
 MIN_SAMPLE_BYTES = 64 << 10  # smaller chunks measure latency and skew, not a link's rate
 SHORT_STAGE_S = 0.005  # stages shorter than this reuse a controller decision ...
 REUSE_MAX = 7  # ... up to this many times before deciding afresh
+# While every rank has 'out' dropped and no probe is due there is nothing to
+# decide (everything goes on 'up'): reuse for longer, whatever the stage time.
+REUSE_MAX_SETTLED = 15
 MAX_WINDOW_BYTES = 8 << 20  # more in flight only pushes chunks out of cache before they are reduced
 IDLE_SPINS_BEFORE_SLEEP = 256  # then block on the planes' event fds ...
 IDLE_SLEEP_S = 0.001  # ... for at most this long (bounds the cost of a missed wake-up)
@@ -81,6 +84,7 @@ class _CachedDecision:
     reason: dict
     uses: int = 0
     stage_s: float = float("inf")  # realised time of the last stage that used it
+    up_only: bool = False  # every flow wholly on 'up' (the only decision a settled controller makes)
 
 
 class DecisionCache:
@@ -97,9 +101,14 @@ class DecisionCache:
     def __init__(self):
         self._entries: dict = {}
 
-    def get(self, key) -> Optional[_CachedDecision]:
+    def get(self, key, settled: bool = False) -> Optional[_CachedDecision]:
         entry = self._entries.get(key)
-        if entry is None or entry.stage_s >= SHORT_STAGE_S or entry.uses >= REUSE_MAX:
+        if entry is None:
+            return None
+        if settled and entry.up_only:
+            if entry.uses >= REUSE_MAX_SETTLED:
+                return None
+        elif entry.stage_s >= SHORT_STAGE_S or entry.uses >= REUSE_MAX:
             return None
         entry.uses += 1
         return entry
@@ -174,7 +183,9 @@ class Splitter:
 
     def _adaptive(self, flows, now, chunk_bytes, others=(), epoch=None) -> StagePlan:
         key = (tuple((f.dst, n) for f, n in flows), chunk_bytes)
-        cached = self.cache.get(key) if self.cache is not None else None
+        cached = None
+        if self.cache is not None:
+            cached = self.cache.get(key, settled=not self.controller.may_use(OUT, epoch))
         if cached is not None and self.controller.probe_due(epoch):
             cached = None  # every rank probes in this operation: a reused decision must not skip it
         if cached is not None:
@@ -187,7 +198,9 @@ class Splitter:
             # A probe or check is one measured stage; reused, it became eight
             # in a row (the default planes lost 26-38% at 2 MiB to probing 'out').
             reason = {k: v for k, v in plan.reason.items() if k != "decision"}
-            self.cache.put(key, _CachedDecision([plan.splits[f.id] for f, _ in flows], plan.window_bytes, reason))
+            splits = [plan.splits[f.id] for f, _ in flows]
+            up_only = all(sp.boundary_bytes >= n and not sp.steal for sp, (_, n) in zip(splits, flows))
+            self.cache.put(key, _CachedDecision(splits, plan.window_bytes, reason, up_only=up_only))
             plan.cache_key = key
         return plan
 

@@ -221,6 +221,7 @@ class PathController:
         self._last_reason: Optional[dict] = None
         self._export_cache: Optional[tuple] = None    # (calls, flags, regime changes, blob)
         self._exports = 0
+        self._merged: dict[int, bytes] = {}           # the last blob merged from each rank
         if self.config.start_on_one_plane and rank is not None:
             # 'out' has to earn its place: it starts dropped and is probed
             # after a couple of decisions; a probe that shows a gain re-adds it.
@@ -796,6 +797,11 @@ class PathController:
 
     def merge_estimates(self, rank: int, blob: bytes) -> None:
         """Another rank's exported estimates; they replace what we had for it."""
+        if rank != self.rank and self._merged.get(rank) == blob:
+            # The same export again (exports are reused for a few calls): only
+            # the peer-drop rule has to run, on what we already hold.
+            self._follow_peer_drop(rank, self._remote_dropped.get(rank, set()))
+            return
         if not blob or blob[0] != _BLOB_VERSION:
             raise ValueError(f"estimate blob from rank {rank}: unknown version")
         try:
@@ -814,6 +820,7 @@ class PathController:
         self.estimator.set_remote(rank, entries)
         dropped = {p for i, p in enumerate(PLANES) if flags & (1 << i)}
         self._remote_dropped[rank] = dropped
+        self._merged[rank] = bytes(blob)
         self._follow_peer_drop(rank, dropped)
 
     def _follow_peer_drop(self, rank: int, dropped: set) -> None:
