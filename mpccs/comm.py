@@ -246,12 +246,18 @@ class Communicator:
         self.close()
 
     # -- running operations -------------------------------------------------
-    def _splitter(self, single_plane: bool = False) -> Splitter:
+    def _splitter(self, single_plane: bool = False, settled: bool = False) -> Splitter:
         policy = self._policy
         if single_plane and policy == "adaptive":
             policy = "up"  # the tuner found a second plane does not pay at this size
+        name = None
+        if settled and policy == "adaptive":
+            # Nothing to decide (controller.settled): run as 'up', without the
+            # ~50 us of planning and feedback; still 'adaptive' to the peers
+            # (estimates piggybacked) and in the statistics.
+            policy, name = "up", "adaptive"
         return Splitter(policy, self._engine.health.live(), DEFAULT_WINDOW_BYTES, self._engine.controller,
-                        self._engine.decisions)
+                        self._engine.decisions, name)
 
     def _submit(self, op: Operation, result, async_op: bool):
         op.on_finish.append(self._record)
@@ -361,7 +367,6 @@ class Communicator:
         if self.options.fingerprint:
             count = None if name == "all_to_allv" else schedule.count
             fp = fingerprint.make(name, op, dtype, schedule.algorithm, schedule.root, plan.chunk_bytes, count)
-        splitter = self._splitter(single_plane=plan.single_plane)
         health = self._engine.health
         if health.down:
             health.try_rejoin(time.perf_counter())
@@ -371,6 +376,8 @@ class Communicator:
         if self._policy == "adaptive" and self._multipath_eligible(nbytes, plan.single_plane):
             self._epoch += 1  # the same count on every rank: the controller's shared clock
             epoch = self._epoch
+        settled = epoch is not None and self._engine.controller.settled(epoch)
+        splitter = self._splitter(single_plane=plan.single_plane, settled=settled)
         carries = self._may_carry_failable(epoch) if protected and self._policy == "adaptive" else None
         snapshot, unsaved = None, False
         if protected and name in ("all_reduce", "reduce") and np.shares_memory(buffers["in"], buffers["out"]):

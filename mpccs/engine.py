@@ -132,8 +132,11 @@ class Splitter:
     """
 
     def __init__(self, policy, planes: dict, window_bytes: dict[str, int], controller=None,
-                 cache: Optional[DecisionCache] = None):
+                 cache: Optional[DecisionCache] = None, name: Optional[str] = None):
         self.policy = policy
+        # What the caller asked for: 'adaptive' also when a settled controller
+        # had nothing to decide and the operation runs as 'up' (comm._run).
+        self.name = name or _policy_name(policy)
         self.planes = planes
         self.window_bytes = window_bytes
         self.controller = controller
@@ -142,7 +145,7 @@ class Splitter:
     def without(self, down) -> "Splitter":
         """The same policy on the planes that are not down."""
         live = {n: p for n, p in self.planes.items() if n not in down}
-        return Splitter(self.policy, live, self.window_bytes, self.controller, self.cache)
+        return Splitter(self.policy, live, self.window_bytes, self.controller, self.cache, self.name)
 
     def reach(self, peer: int) -> tuple[bool, bool]:
         up = self.planes.get(UP)
@@ -554,7 +557,7 @@ class CollectiveOp(Operation):
         payload = self.fingerprint.encode().view(np.uint8)
         controller = engine.controller
         self._fp_blob_cap = 0
-        if controller is not None and self.splitter.policy == "adaptive":
+        if controller is not None and self.splitter.name == "adaptive":
             blob = controller.export_estimates(time.perf_counter())
             declared = DECLARES_SAFE if self.carries_failable is False else DECLARES_CARRY
             payload = np.concatenate([payload, np.array([declared], np.uint8), np.frombuffer(blob, dtype=np.uint8)])
@@ -1038,7 +1041,7 @@ class CollectiveOp(Operation):
         out = super().stats()
         out.update(
             algorithm=self.schedule.algorithm, channels=self.schedule.channels,
-            policy=_policy_name(self.splitter.policy), stages=self.stage_log,
+            policy=self.splitter.name, stages=self.stage_log,
             protected=self.protected, protection_waived=self.protection_waived,
         )
         if self.attempt or self.events:

@@ -145,6 +145,37 @@ def test_fixed_half_split_uses_both_planes_and_stays_exact(pools):
         assert abs(bpp["up"] / (bpp["up"] + bpp["out"]) - 0.5) < 0.05
 
 
+def settled_adaptive_run(comm, n_ops):
+    """Adaptive all_reduces on the default planes, where 'out' (tcp on the same
+    cores) never pays: what each operation did and whether it was exact."""
+    comm.set_path_policy("adaptive")
+    x = np.arange(1 << 19, dtype=np.float32) * (comm.rank + 1)
+    expected = np.arange(1 << 19, dtype=np.float32) * sum(range(1, comm.size + 1))
+    out = []
+    for _ in range(n_ops):
+        y = np.empty_like(x)
+        comm.all_reduce(x, y)
+        st = comm.last_stats()
+        out.append({"exact": bool(np.array_equal(y, expected)), "policy": st["policy"],
+                    "planned": st["stages"][0]["split"].get("policy") == "adaptive",
+                    "out_bytes": st["bytes_per_plane"]["out"], "waived": st["protection_waived"],
+                    "protected": st["protected"]})
+    return out
+
+
+def test_settled_adaptive_runs_as_up_and_skips_the_done_round(pools):
+    for ops in pools("2").run(settled_adaptive_run, 40):
+        assert all(o["exact"] and o["policy"] == "adaptive" for o in ops)
+        settled = [o for o in ops if not o["planned"]]
+        # Between probes nothing is decided, and nothing touches 'out' ...
+        assert len(settled) >= len(ops) // 2, ops
+        assert all(o["out_bytes"] == 0 for o in settled)
+        # ... so no rank may carry bytes on a failable plane: no DONE round.
+        assert all(o["waived"] and not o["protected"] for o in settled)
+        # Probes and the operations around them are still planned by the controller.
+        assert any(o["planned"] for o in ops)
+
+
 def async_in_flight(comm):
     comm.set_path_policy(0.5)
     n = comm.size

@@ -554,3 +554,21 @@ def test_export_reuses_recent_entries_until_a_rate_steps_or_flags_change():
     ctl.merge_estimates(1, stepped)
     view = ctl.estimator.measured(1)
     assert view[("up", 1)].rate_Bps < 3e9
+
+
+def test_settled_only_between_probe_epochs_when_every_rank_dropped_out():
+    from mpccs.control.controller import FIRST_PROBE_AFTER
+    cfg = ControlConfig(start_on_one_plane=True)
+    ctl = PathController(cfg, rank=0)
+    grid = cfg.probe_every
+    # Nothing heard from rank 1 yet: it may still use 'out'.
+    peer = PathController(ControlConfig(), rank=1)
+    ctl.merge_estimates(1, peer.export_estimates(0.0))
+    assert not any(ctl.settled(e) for e in range(1, 3 * grid))
+    # Rank 1 dropped 'out' too: settled except around the probe grid.
+    dropped = PathController(cfg, rank=1)
+    ctl.merge_estimates(1, dropped.export_estimates(0.0))
+    near_probe = {e for g in (0, FIRST_PROBE_AFTER, grid, 2 * grid) for e in (g - 1, g, g + 1)}
+    for e in range(1, 2 * grid + 2):
+        assert ctl.settled(e) == (e not in near_probe), e
+    assert not ctl.settled(None)

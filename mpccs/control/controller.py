@@ -759,6 +759,14 @@ class PathController:
             return True
         return not self._remote_dropped or not all(plane in d for d in self._remote_dropped.values())
 
+    def settled(self, epoch: Optional[int]) -> bool:
+        """Nothing to decide at operation ``epoch``: 'out' may not be used in it
+        (may_use) nor in the next one, so this is no probe, no check and not the
+        operation before a probe (whose planned stages refresh the solo record
+        the probe is judged against). The engine then runs the operation on
+        'up' without asking the controller."""
+        return epoch is not None and not self.may_use("out", epoch) and not self.may_use("out", epoch + 1)
+
     # ------------------------------------------------------------ estimates I/O
     def export_estimates(self, now: Optional[float] = None) -> bytes:
         """This rank's measured estimates, to piggyback on its chunks (13 B per plane and peer)."""
