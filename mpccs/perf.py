@@ -5,8 +5,9 @@
 Flags follow nccl-tests (-b -e -f -n -w -c -o -d -r -J). Every point is timed
 per iteration (barrier, then the operation; per-op time = the slowest rank),
 and the median over -n iterations is reported. With --compare the policies
-(up, out, 0.8, adaptive) run interleaved iteration by iteration, so drift on a
-noisy machine hits them alike, and ratio columns compare each with 'up'.
+(up, out, 0.8, adaptive) run interleaved iteration by iteration, in a shuffled
+order per iteration, so drift on a noisy machine and the wake of the previous
+operation hit them alike, and ratio columns compare each with 'up'.
 busbw uses nccl-tests' factors; see docs/benchmarks.md.
 """
 from __future__ import annotations
@@ -180,6 +181,17 @@ def slowest(comm, values: list[float]) -> np.ndarray:
     return arr
 
 
+def iteration_order(policies, iteration: int) -> list:
+    """The policies of one iteration in a shuffled order, the same on every
+    rank (seeded by the iteration): an operation is slowed by what ran just
+    before it (a split leaves the scale-out plane busy for a while: ~50 us at
+    2 MiB here), and a fixed order charged that to one policy every time."""
+    if len(policies) < 2:
+        return list(policies)
+    order = np.random.default_rng(0x5EED + iteration).permutation(len(policies))
+    return [policies[i] for i in order]
+
+
 def measure(comm, case: Case, policies, iters: int, warmup: int):
     times = {p: [] for p in policies}
     shares = {p: [] for p in policies}
@@ -187,8 +199,8 @@ def measure(comm, case: Case, policies, iters: int, warmup: int):
     for _ in range(warmup):
         for p in policies:
             timed(comm, case, p)
-    for _ in range(iters):
-        for p in policies:
+    for it in range(iters):
+        for p in iteration_order(policies, it):
             dt, stats = timed(comm, case, p)
             times[p].append(dt)
             bpp = stats.get("bytes_per_plane", {})
