@@ -5,7 +5,8 @@
 Every rank draws the same sequence from the seed: collective, size, dtype,
 reduction op, path policy, in place or not. The first WARM_OPS operations
 sweep every (dtype, op) kernel and every collective once, so nothing compiles
-later; from then on, with probability --fail-rate per operation, one rank
+later, and then each rank arrives late to large transfers once, so UCX's
+receive pools reach their bound (warm_receive_pools); from then on, with probability --fail-rate per operation, one rank
 closes its scale-out endpoints in the middle of the operation (Plane.sever;
 the plane then fails over and rejoins after MPCCS_REPROBE). Each result is
 checked against a numpy reference (inputs are small integers, so sums, mins,
@@ -98,6 +99,31 @@ def reduce_ref(arrays, op: str, dtype):
     return out.astype(dtype)
 
 
+def warm_receive_pools(comm) -> None:
+    """Fill UCX's receive pools to their bound before memory is measured.
+
+    The engine receives by probing, so every chunk first lands in UCX as an
+    unexpected message; over tcp (eager for every size) UCX holds a whole
+    window of a peer's chunks in its receive buffer pool while the receiver is
+    busy elsewhere. That pool grows in steps and never shrinks: its high-water
+    mark (about one window per peer) was reached at a random operation, and
+    resident memory then stepped up 6-8 MB long after warm-up. Here each rank
+    in turn arrives late to large transfers on each plane, so every other
+    rank's window queues up unexpected at it: the worst case, reached now.
+    """
+    n = SIZES[-1]
+    send = np.ones(n * comm.size, np.float64)
+    recv = np.empty_like(send)
+    for policy in ("out", "up", 0.5):
+        comm.set_path_policy(policy)
+        for late in range(comm.size):
+            comm.barrier()
+            if comm.rank == late:
+                time.sleep(0.3)
+            comm.all_to_all(send, recv)
+            comm.all_reduce(send, recv)
+
+
 def run_one(comm, spec, inject: bool) -> tuple[bool, dict]:
     size, rank, n = comm.size, comm.rank, spec["count"]
     name, op, dtype = spec["collective"], spec["op"], spec["dtype"]
@@ -166,6 +192,7 @@ def rank_main(args) -> int:
         warm_victim = WARM_FAILURES.get(i)
         inject |= warm_victim is not None and comm.rank == warm_victim % comm.size
         if i == WARM_OPS:
+            warm_receive_pools(comm)
             rss_warm = rss_bytes()
             if os.environ.get("SOAK_TRACEMALLOC"):
                 import tracemalloc
@@ -181,6 +208,8 @@ def rank_main(args) -> int:
             summary["wrong"].append({"op": i, "spec": {**spec, "dtype": str(spec["dtype"])}})
         if (i + 1) % 250 == 0:
             summary.setdefault("rss_mib", []).append(round(rss_bytes() / 2**20, 1))
+            summary.setdefault("scratch_mib", []).append(
+                round(sum(b.nbytes for pool in comm._engine._scratch.values() for b in pool) / 2**20, 1))
         if comm.rank == 0 and (i + 1) % 100 == 0:
             print(f"soak: {i + 1}/{args.ops} ops, {time.monotonic() - t0:.0f} s, wrong {len(summary['wrong'])}",
                   flush=True)

@@ -51,6 +51,7 @@ REUSE_MAX = 7  # ... up to this many times before deciding afresh
 # While every rank has 'out' dropped and no probe is due there is nothing to
 # decide (everything goes on 'up'): reuse for longer, whatever the stage time.
 REUSE_MAX_SETTLED = 15
+SCRATCH_POOL_BYTES = 8 << 20  # reduction chunks kept for reuse: the default windows' worth (up + out)
 MAX_WINDOW_BYTES = 8 << 20  # more in flight only pushes chunks out of cache before they are reduced
 IDLE_SPINS_BEFORE_SLEEP = 256  # then block on the planes' event fds ...
 IDLE_SLEEP_S = 0.001  # ... for at most this long (bounds the cost of a missed wake-up)
@@ -451,6 +452,22 @@ class LocalPlan:
     initial_ready: tuple
 
 
+def exchanges_with_everyone(schedule: Schedule) -> bool:
+    """Every rank exchanges data (and so fingerprints) with every other rank:
+    then what each rank declares in its fingerprint message reaches every
+    rank, and all of them can agree on it (CollectiveOp._resolve_protection).
+    False for rank-local schedules (all_to_allv), whose peers differ by rank."""
+    key = "exchanges_with_everyone"
+    known = schedule.meta.get(key)
+    if known is None:
+        world = schedule.world
+        pairs = {(f.src, f.dst) for f in schedule.flows()}
+        known = schedule.local_rank is None and all(
+            (a, b) in pairs or (b, a) in pairs for a in range(world) for b in range(a + 1, world))
+        schedule.meta[key] = known
+    return known
+
+
 def local_plan(schedule: Schedule, rank: int) -> LocalPlan:
     key = ("local_plan", rank)
     plan = schedule.meta.get(key)
@@ -600,10 +617,12 @@ class CollectiveOp(Operation):
     def _resolve_protection(self) -> None:
         """Waive the DONE round when every rank declared it sends nothing on a
         failable plane: a plane failure cannot touch this operation then. Only
-        where the fingerprint exchange reached every other rank (the DONE
-        round's peers), so every rank reaches the same answer."""
+        where every rank exchanges fingerprints with every other rank (the DONE
+        round's peers): a rank that heard from only some of them could not know
+        what the others declared, keep its DONE round and wait forever for a
+        rank that waived its own (a 3-rank broadcast chain did, in the soak)."""
         if (self.protected and self.carries_failable is False and self._fp_blob_cap
-                and not self._peer_carries and set(self.fp_peers) >= set(self.others)):
+                and not self._peer_carries and exchanges_with_everyone(self.schedule)):
             self.protected = False
             self.protection_waived = True
 
@@ -1344,6 +1363,7 @@ class Engine:
         self.controller = controller
         self.active: list[Operation] = []
         self._scratch: dict[int, list[np.ndarray]] = {}
+        self._scratch_pooled = 0  # bytes held by _scratch
         self._trash = np.empty(1 << 20, dtype=np.uint8)
         self._abort_sends: list = []
         self._poller = None
@@ -1443,11 +1463,22 @@ class Engine:
 
     def scratch(self, nbytes: int) -> np.ndarray:
         size = 1 << max(12, (nbytes - 1).bit_length())
-        pool = self._scratch.setdefault(size, [])
-        return pool.pop() if pool else np.empty(size, dtype=np.uint8)
+        pool = self._scratch.get(size)
+        if pool:
+            self._scratch_pooled -= size
+            return pool.pop()
+        return np.empty(size, dtype=np.uint8)
 
     def release_scratch(self, buf: np.ndarray) -> None:
+        """Keep the chunk for reuse within SCRATCH_POOL_BYTES. Chunk sizes vary
+        with the operation, so an unbounded pool per size kept the high-water
+        mark of every size ever used (16 MiB after a soak, reached at a random
+        operation: resident memory stepped up by half of that long after warm-up);
+        beyond the budget a chunk goes back to the allocator."""
+        if self._scratch_pooled + buf.nbytes > SCRATCH_POOL_BYTES:
+            return
         self._scratch.setdefault(buf.nbytes, []).append(buf)
+        self._scratch_pooled += buf.nbytes
 
     def discard(self, plane, probe) -> None:
         """Receive a rejected message into a trash buffer so its sender completes."""

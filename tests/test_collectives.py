@@ -176,6 +176,32 @@ def test_settled_adaptive_runs_as_up_and_skips_the_done_round(pools):
         assert any(o["planned"] for o in ops)
 
 
+def waiver_agreement_run(comm, n_ops):
+    """Adaptive broadcasts (a chain: the root never hears from the last rank)
+    between all_reduces (every rank exchanges with every rank) on 3 ranks."""
+    from mpccs.engine import exchanges_with_everyone  # noqa: F401 - the rule under test
+    comm.set_path_policy("adaptive")
+    seen = {"broadcast": set(), "all_reduce": set()}
+    for i in range(n_ops):
+        x = np.full(1 << 21, float(comm.rank == i % comm.size), np.float32)
+        comm.broadcast(x, root=i % comm.size)
+        assert (x == 1).all()
+        seen["broadcast"].add(comm.last_stats()["protection_waived"])
+        y = np.ones(1 << 21, np.float32)  # 8 MiB: large enough for 'adaptive' to consider 'out' on 3 ranks
+        comm.all_reduce(y)
+        assert (y == comm.size).all()
+        seen["all_reduce"].add(comm.last_stats()["protection_waived"])
+    return {k: sorted(v) for k, v in seen.items()}
+
+
+def test_done_round_waived_only_where_every_rank_hears_every_declaration(pools):
+    # A rank that waived while another kept its DONE round would leave that one
+    # waiting for ever (found by the 3-rank soak): the pool's timeout would fail this.
+    for seen in pools("3").run(waiver_agreement_run, 24):
+        assert seen["broadcast"] == [False]  # a chain: the root cannot hear the last rank's declaration
+        assert True in seen["all_reduce"]  # a ring of 3 reaches everyone: waived once settled
+
+
 def async_in_flight(comm):
     comm.set_path_policy(0.5)
     n = comm.size
