@@ -428,6 +428,8 @@ def check_fingerprint(op: "Operation", message: np.ndarray, peer: int, abort_pee
     """Compare the fingerprint at the start of a peer's message with ``op.fingerprint``;
     on a difference tell ``abort_peers`` and raise MismatchError saying what differs."""
     mine = op.fingerprint
+    if message[:FP_BYTES].tobytes() == mine.raw:
+        return  # the same words: nothing can differ (the common case, ~3 us of decoding saved)
     theirs = Fingerprint.decode(message[:FP_BYTES].view(np.uint64))
     diffs = mine.differences(theirs)
     if diffs:

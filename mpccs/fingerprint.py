@@ -38,6 +38,11 @@ class Fingerprint:
         return self._words
 
     @functools.cached_property
+    def raw(self) -> bytes:
+        """The encoded words as bytes, to compare a received fingerprint without decoding it."""
+        return self._words.tobytes()
+
+    @functools.cached_property
     def _words(self) -> np.ndarray:
         word0 = (
             _COLLECTIVES.index(self.collective)
