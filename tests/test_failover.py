@@ -80,3 +80,23 @@ def test_link_down_mid_operation_on_the_testbed():
         assert run.exit_code == 0, "\n".join(lines[-80:])
         # No UCX error here: the heartbeat found the silent plane.
         check_rows(results(lines), 2, "no answer on plane 'out'")
+
+
+def test_two_operations_in_flight_when_the_plane_fails():
+    """An out-of-place and an in-place all_reduce in flight together: both end
+    exact on every rank, each retried on 'up' alone if the failure touched it."""
+    p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "2", JOB, str(4 << 20), "two_in_flight"],
+                       env=clean_env(), capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    rows_by_rank = results(p.stdout.splitlines())
+    assert sorted(rows_by_rank) == [0, 1], rows_by_rank
+    for rank, rows in rows_by_rank.items():
+        assert [r["collective"] for r in rows] == ["two_in_flight[0]", "two_in_flight[1]"]
+        first, second = rows
+        assert first["exact"] and second["exact"], rows
+        # The first was moving bytes on 'out' when it failed: it ran again on 'up'.
+        assert first["attempts"] == 2 and first["failover"]["retry_planes"] == ["up"], rows
+        assert second["attempts"] in (1, 2), rows
+        if second["attempts"] == 2:
+            assert second["failover"]["retry_planes"] == ["up"], rows
+        assert second["rejoined_after_ops"] is not None, rows

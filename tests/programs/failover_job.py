@@ -1,6 +1,6 @@
 """Rank 1's scale-out link goes down in the middle of a collective; every rank checks the result.
 
-    failover_job.py NBYTES COLLECTIVE...
+    failover_job.py NBYTES COLLECTIVE...    (or two_in_flight: two all_reduces at once)
 
 MPCCS_TEST_FAIL_CMD / MPCCS_TEST_RESTORE_CMD are shell commands that take the
 link down and bring it back (on the testbed: the switch port); without them
@@ -55,24 +55,54 @@ def restore_link():
         subprocess.run(RESTORE, shell=True, check=True)
 
 
-def run(comm, name, n):
-    send, recv, expected = inputs(name, comm.rank, comm.size, n)
-    comm.barrier()
-    call = getattr(comm, name.replace("_inplace", ""))
-    work = call(send, recv, async_op=True)
+def fail_under(comm, works) -> None:
+    """Rank 1 fails the link once the first operation has bytes in flight on 'out'."""
     if comm.rank == 1:
-        # Fail once this rank has bytes in flight on 'out': mid-operation by construction.
-        while work._op.bytes_per_plane["out"] == 0 and not work.is_completed():
+        while works[0]._op.bytes_per_plane["out"] == 0 and not works[0].is_completed():
             pass
         fail_link(comm)
 
-    work.wait()
+
+def row_of(name, work, exact) -> dict:
     stats = work.stats()
-    row = {"collective": name, "exact": bool(np.array_equal(send if recv is None else recv, expected)),
-           "attempts": stats.get("attempts", 1), "failover": stats.get("failover"),
-           "events": [e["kind"] for e in stats.get("events", [])]}
+    return {"collective": name, "exact": exact, "attempts": stats.get("attempts", 1),
+            "failover": stats.get("failover"), "events": [e["kind"] for e in stats.get("events", [])]}
+
+
+def two_in_flight(comm, n):
+    """An out-of-place and an in-place all_reduce in flight together when the link fails."""
+    a_send, a_recv, a_expected = inputs("all_reduce", comm.rank, comm.size, n)
+    b_buf, _, b_expected = inputs("all_reduce_inplace", comm.rank, comm.size, n)
+    b_buf = b_buf[::-1].copy()  # other data than the first operation's
+    b_expected = b_expected[::-1]
+    comm.barrier()
+    works = [comm.all_reduce(a_send, a_recv, async_op=True), comm.all_reduce(b_buf, async_op=True)]
+    fail_under(comm, works)
+    for w in reversed(works):  # waited for out of order on purpose
+        w.wait()
+    return [row_of("two_in_flight[0]", works[0], bool(np.array_equal(a_recv, a_expected))),
+            row_of("two_in_flight[1]", works[1], bool(np.array_equal(b_buf, b_expected)))]
+
+
+def run(comm, name, n):
+    if name == "two_in_flight":
+        rows = two_in_flight(comm, n)
+        name = "all_reduce"
+    else:
+        send, recv, expected = inputs(name, comm.rank, comm.size, n)
+        comm.barrier()
+        work = getattr(comm, name.replace("_inplace", ""))(send, recv, async_op=True)
+        fail_under(comm, [work])
+        work.wait()
+        rows = [row_of(name, work, bool(np.array_equal(send if recv is None else recv, expected)))]
     if comm.rank == 1:
         restore_link()
+    rows[-1]["rejoined_after_ops"] = wait_for_rejoin(comm, name, n)
+    return rows
+
+
+def wait_for_rejoin(comm, name, n):
+    call = getattr(comm, name.replace("_inplace", ""))
     # Later operations: the plane rejoins after the reprobe period and carries bytes again.
     rejoined_after = None
     deadline = time.monotonic() + 30
@@ -88,14 +118,13 @@ def run(comm, name, n):
             rejoined_after = i
             break
         time.sleep(0.2)
-    row["rejoined_after_ops"] = rejoined_after
-    return row
+    return rejoined_after
 
 
 def main():
     n = int(sys.argv[1])
     comm = mpccs.init(path_policy=0.5, reprobe_s=1.0, timeout_s=30)
-    rows = [run(comm, name, n) for name in sys.argv[2:]]
+    rows = [row for name in sys.argv[2:] for row in run(comm, name, n)]
     print("RESULT " + json.dumps({"rank": comm.rank, "rows": rows}), flush=True)
     comm.close()
 
