@@ -111,17 +111,20 @@ def warm_receive_pools(comm) -> None:
     in turn arrives late to large transfers on each plane, so every other
     rank's window queues up unexpected at it: the worst case, reached now.
     """
+    # The soak's own largest operations (8-byte dtype, SIZES[-1] elements per block), no larger.
     n = SIZES[-1]
-    send = np.ones(n * comm.size, np.float64)
-    recv = np.empty_like(send)
+    blocks = np.ones(n * comm.size, np.float64)
+    one = np.ones(n, np.float64)
+    out_blocks, out_one = np.empty_like(blocks), np.empty_like(one)
     for policy in ("out", "up", 0.5):
         comm.set_path_policy(policy)
         for late in range(comm.size):
-            comm.barrier()
-            if comm.rank == late:
-                time.sleep(0.3)
-            comm.all_to_all(send, recv)
-            comm.all_reduce(send, recv)
+            for run in (lambda: comm.all_to_all(blocks, out_blocks), lambda: comm.all_reduce(one, out_one),
+                        lambda: comm.all_gather(one, out_blocks), lambda: comm.reduce_scatter(blocks, out_one)):
+                comm.barrier()
+                if comm.rank == late:
+                    time.sleep(0.1)  # the peers' windows (4 MiB each over loopback: ~5 ms) queue up meanwhile
+                run()
 
 
 def run_one(comm, spec, inject: bool) -> tuple[bool, dict]:
