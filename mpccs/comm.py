@@ -376,7 +376,7 @@ class Communicator:
         if self._policy == "adaptive" and self._multipath_eligible(nbytes, plan.single_plane):
             self._epoch += 1  # the same count on every rank: the controller's shared clock
             epoch = self._epoch
-        settled = epoch is not None and self._engine.controller.settled(epoch)
+        settled = epoch is not None and self._engine.controller.settled(epoch, nbytes)
         splitter = self._splitter(single_plane=plan.single_plane, settled=settled)
         carries = self._may_carry_failable(epoch) if protected and self._policy == "adaptive" else None
         snapshot, unsaved = None, False

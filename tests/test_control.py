@@ -572,3 +572,9 @@ def test_settled_only_between_probe_epochs_when_every_rank_dropped_out():
     for e in range(1, 2 * grid + 2):
         assert ctl.settled(e) == (e not in near_probe), e
     assert not ctl.settled(None)
+    # Only short operations skip planning: a long one's feedback keeps the solo record fresh.
+    from mpccs.control.controller import SETTLED_MAX_S
+    up_rate = ctl.estimator.plane(0, "up").rate_Bps
+    e = 2 * grid - 4
+    assert ctl.settled(e, int(up_rate * SETTLED_MAX_S / 2))
+    assert not ctl.settled(e, int(up_rate * SETTLED_MAX_S * 2))
