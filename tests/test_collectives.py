@@ -179,7 +179,6 @@ def test_settled_adaptive_runs_as_up_and_skips_the_done_round(pools):
 def waiver_agreement_run(comm, n_ops):
     """Adaptive broadcasts (a chain: the root never hears from the last rank)
     between all_reduces (every rank exchanges with every rank) on 3 ranks."""
-    from mpccs.engine import exchanges_with_everyone  # noqa: F401 - the rule under test
     comm.set_path_policy("adaptive")
     seen = {"broadcast": set(), "all_reduce": set()}
     for i in range(n_ops):
@@ -192,6 +191,19 @@ def waiver_agreement_run(comm, n_ops):
         assert (y == comm.size).all()
         seen["all_reduce"].add(comm.last_stats()["protection_waived"])
     return {k: sorted(v) for k, v in seen.items()}
+
+
+def test_exchanges_with_everyone_only_where_every_pair_moves_data():
+    from mpccs.algorithms import ALGORITHMS as BUILDERS
+    from mpccs.algorithms.registry import build_schedule
+    from mpccs.engine import exchanges_with_everyone
+    assert exchanges_with_everyone(build_schedule("all_reduce", 3, 999, algorithm="ring"))
+    assert exchanges_with_everyone(build_schedule("all_to_all", 4, 999, algorithm="pairwise"))
+    assert exchanges_with_everyone(build_schedule("all_reduce", 2, 999, algorithm="ring"))
+    # A broadcast tree or chain: the root never exchanges with the farthest rank.
+    for algorithm in BUILDERS["broadcast"]:
+        if algorithm != "hierarchical":
+            assert not exchanges_with_everyone(build_schedule("broadcast", 4, 999, algorithm=algorithm)), algorithm
 
 
 def test_done_round_waived_only_where_every_rank_hears_every_declaration(pools):
