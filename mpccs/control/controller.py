@@ -226,6 +226,7 @@ class PathController:
         self._export_cache: Optional[tuple] = None    # (calls, flags, regime changes, blob)
         self._exports = 0
         self._merged: dict[int, bytes] = {}           # the last blob merged from each rank
+        self._exported_up_rate: Optional[float] = None  # best 'up' rate in this rank's last export
         if self.config.start_on_one_plane and rank is not None:
             # 'out' has to earn its place: it starts dropped and is probed
             # after a couple of decisions; a probe that shows a gain re-adds it.
@@ -778,7 +779,7 @@ class PathController:
             return False
         if nbytes is None:
             return True
-        rate = self.estimator.plane(self.rank, "up").rate_Bps
+        rate = self._exported_up_rate or self.estimator.plane(self.rank, "up").rate_Bps
         return rate > 0 and nbytes / rate < SETTLED_MAX_S
 
     # ------------------------------------------------------------ estimates I/O
@@ -802,6 +803,8 @@ class PathController:
         if self.config.decide_from_exported_view:
             self.merge_estimates(self.rank, blob)
         self._export_cache = (self._exports, flags, regime, blob) if entries else None
+        # What settled() sizes operations with (estimator.plane() builds a view: 5 us a call).
+        self._exported_up_rate = max((rate for (p, _), (rate, _) in entries.items() if p == "up"), default=None)
         return blob
 
     @staticmethod
