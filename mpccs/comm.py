@@ -281,20 +281,33 @@ class Communicator:
         try:
             self._engine.wait(op, self.options.timeout_s if timeout is None else timeout)
         except TransportError as exc:
-            self._aborted = str(exc)
+            self._abort(op, exc, str(exc))
             raise
         except MismatchError as exc:
             # A point-to-point size mismatch is caught before any byte moves and
             # leaves both ends consistent; a collective one leaves chunks of a
             # half-run schedule behind, so the communicator cannot be trusted.
             if not isinstance(op, (SendOp, RecvOp)):
-                self._aborted = str(exc)
+                self._abort(op, exc, str(exc))
             raise
         except Exception as exc:
             # Anything else escaping an operation (a UCX error type mpccs does not
             # wrap yet) leaves it half-run: never let the next call reuse the state.
-            self._aborted = f"{type(exc).__name__}: {exc}"
+            self._abort(op, exc, f"{type(exc).__name__}: {exc}")
             raise
+
+    def _abort(self, op: Operation, exc: BaseException, reason: str) -> None:
+        """Mark the communicator aborted and tell the other ranks why, over the
+        planes left, unless they know already: a peer blocked in an operation
+        with this rank (a point-to-point receive whose sender's plane failed)
+        then fails within milliseconds instead of at its own no-progress timeout."""
+        self._aborted = reason
+        if getattr(exc, "peers_told", False):
+            return
+        lost = set(getattr(exc, "lost_ranks", ()))
+        peers = [r for r in range(self.size) if r != self.rank and r not in lost]
+        self._engine.broadcast_abort(peers, getattr(op, "wire_seq", op.seq),
+                                     f"{op.name} #{op.seq} failed on rank {self.rank}: {reason}")
 
     def _next_seq(self) -> int:
         self._seq += 1

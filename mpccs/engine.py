@@ -436,7 +436,9 @@ def check_fingerprint(op: "Operation", message: np.ndarray, peer: int, abort_pee
         text = (f"rank {op.engine.rank} called {mine.describe()} as operation #{op.seq} but rank "
                 f"{peer} called {theirs.describe()} ({'; '.join(diffs)})")
         op.engine.broadcast_abort(abort_peers, abort_seq, text)
-        raise MismatchError(text)
+        err = MismatchError(text)
+        err.peers_told = True
+        raise err
 
 
 @dataclass(frozen=True)
@@ -801,7 +803,9 @@ class CollectiveOp(Operation):
         if retry_blocker:
             message = f"plane {plane!r} failed during {self.name} #{self.seq} ({reason}) and {retry_blocker}"
             self.engine.broadcast_abort(self.others, self.wire_seq, message)
-            raise TransportError(message, rank=self.rank, plane=plane, op=self.name, stage=stage)
+            err = TransportError(message, rank=self.rank, plane=plane, op=self.name, stage=stage)
+            err.peers_told = True
+            raise err
         now = time.perf_counter()
         self.failover = {"plane": plane, "reason": reason, "detected_by": origin, "stage": stage,
                          "failed_seq": self.wire_seq, "t_wall": wall(now)}
@@ -1515,7 +1519,9 @@ class Engine:
             _, _, seq, sender, _ = wire.split_tag(probe.sender_tag.value)
             reason = plane.take(probe)[:ABORT_REASON_MAX].decode(errors="replace")
             cls = MismatchError if "called" in reason else TransportError
-            return cls(f"rank {sender} aborted operation #{seq}: {reason}")
+            err = cls(f"rank {sender} aborted operation #{seq}: {reason}")
+            err.peers_told = True  # the sender told every rank
+            return err
         return None
 
     def _watch_planes(self, op: Operation, stalled: float, now: float) -> None:
@@ -1537,11 +1543,13 @@ class Engine:
         if not lost:
             return None
         stall = op.describe_stall()
-        return TransportError(
+        err = TransportError(
             f"rank(s) {lost} are gone (their processes exited) while {op.name} #{op.seq} waited on {stall}",
             rank=self.rank, peer=lost if len(lost) > 1 else lost[0], op=op.name, stage=stall.get("stage"),
             plane=stall.get("plane"),
         )
+        err.lost_ranks = tuple(lost)
+        return err
 
     def submit(self, op: Operation) -> Operation:
         self.active.append(op)

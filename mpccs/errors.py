@@ -6,6 +6,12 @@ from __future__ import annotations
 class MpccsError(RuntimeError):
     """Base class of every error mpccs raises at run time."""
 
+    # The communicator's other ranks already know (the error came from a
+    # peer's abort, or an abort was sent before raising it): when it aborts the
+    # communicator, the communicator does not tell them again.
+    peers_told = False
+    lost_ranks: tuple = ()  # ranks found gone: nothing can be told to them
+
 
 class ConfigError(MpccsError, ValueError):
     """A setting (plane name, transport list, policy, tuning string) is invalid."""

@@ -100,3 +100,23 @@ def test_two_operations_in_flight_when_the_plane_fails():
         if second["attempts"] == 2:
             assert second["failover"]["retry_planes"] == ["up"], rows
         assert second["rejoined_after_ops"] is not None, rows
+
+
+def test_point_to_point_fails_on_both_ranks_at_once_when_a_plane_dies():
+    """Not retried (only collectives are), but never a hang: the receiver hears
+    of the sender's failure from its abort, long before its own timeout."""
+    job = os.path.join(os.path.dirname(__file__), "programs", "p2p_fail_job.py")
+    p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "2", job], env=clean_env(),
+                       capture_output=True, text=True, timeout=120)
+    rows = {}
+    for line in p.stdout.splitlines():
+        if "RESULT " in line:
+            row = json.loads(line.split("RESULT ", 1)[1])
+            rows[row["rank"]] = row
+    assert sorted(rows) == [0, 1], p.stdout[-3000:] + p.stderr[-2000:]
+    sender, receiver = rows[0], rows[1]
+    assert sender["error"] == "TransportError" and "plane=out" in sender["message"], sender
+    assert receiver["error"] == "TransportError", receiver
+    assert "rank 0 aborted" in receiver["message"] and "send #1 failed on rank 0" in receiver["message"], receiver
+    assert receiver["seconds"] < 5, receiver  # its no-progress timeout is 30 s
+    assert sender["after"] == receiver["after"] == "CommunicatorAborted", rows
