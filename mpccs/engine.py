@@ -49,7 +49,7 @@ MIN_SAMPLE_BYTES = 64 << 10  # smaller chunks measure latency and skew, not a li
 SHORT_STAGE_S = 0.005  # stages shorter than this reuse a controller decision ...
 REUSE_MAX = 7  # ... up to this many times before deciding afresh
 # While every rank has 'out' dropped and no probe is due there is nothing to
-# decide (everything goes on 'up'): reuse for longer, whatever the stage time.
+# decide (everything goes on 'up'): a short stage's decision is reused for longer.
 REUSE_MAX_SETTLED = 15
 SCRATCH_POOL_BYTES = 8 << 20  # reduction chunks kept for reuse: the default windows' worth (up + out)
 MAX_WINDOW_BYTES = 8 << 20  # more in flight only pushes chunks out of cache before they are reduced
@@ -106,10 +106,13 @@ class DecisionCache:
         entry = self._entries.get(key)
         if entry is None:
             return None
-        if settled and entry.up_only:
-            if entry.uses >= REUSE_MAX_SETTLED:
-                return None
-        elif entry.stage_s >= SHORT_STAGE_S or entry.uses >= REUSE_MAX:
+        if entry.stage_s >= SHORT_STAGE_S:
+            # Long stages always decide: the decision costs nothing next to them
+            # and its feedback keeps the solo record a probe is judged against
+            # fresh (reused while 'out' was dropped, the testbed's probes were
+            # judged against stale records and 'out' never came back).
+            return None
+        if entry.uses >= (REUSE_MAX_SETTLED if settled and entry.up_only else REUSE_MAX):
             return None
         entry.uses += 1
         return entry
