@@ -582,7 +582,7 @@ class CollectiveOp(Operation):
         controller = engine.controller
         self._fp_blob_cap = 0
         if controller is not None and self.splitter.name == "adaptive":
-            blob = controller.export_estimates(time.perf_counter())
+            blob = controller.export_estimates(time.perf_counter(), self.epoch)
             declared = DECLARES_SAFE if self.carries_failable is False else DECLARES_CARRY
             payload = np.concatenate([payload, np.array([declared], np.uint8), np.frombuffer(blob, dtype=np.uint8)])
             self._fp_blob_cap = controller.blob_capacity(self.schedule.world - 1)

@@ -528,7 +528,10 @@ def test_tuner_covers_every_collective():
 
 def test_export_reuses_recent_entries_until_a_rate_steps_or_flags_change():
     from mpccs.control.controller import EXPORT_REUSE_CALLS
-    ctl = PathController(ControlConfig(), rank=0)
+    cfg = ControlConfig(start_on_one_plane=True)
+    ctl = PathController(cfg, rank=0)  # 'out' dropped here ...
+    ctl.merge_estimates(1, PathController(cfg, rank=1).export_estimates(0.0))  # ... and at rank 1
+    epoch = cfg.probe_every + 7  # off the probe grid: 'out' carries nothing, reuse is allowed
     est, t = ctl.estimator, 0.0
 
     def feed(rate, n=8):
@@ -540,16 +543,17 @@ def test_export_reuses_recent_entries_until_a_rate_steps_or_flags_change():
             est.observe(0, "up", 1, 1 << 20, start, t)
 
     feed(8e9)
-    first = ctl.export_estimates(t)
+    first = ctl.export_estimates(t, epoch)
     feed(9e9)  # a small change: the blob may be reused for a few calls ...
-    assert ctl.export_estimates(t) is first
+    assert ctl.export_estimates(t, epoch) is first
+    assert ctl.export_estimates(t, cfg.probe_every) != first  # ... but not at a probe, where 'out' may carry bytes
     for _ in range(EXPORT_REUSE_CALLS):
-        blob = ctl.export_estimates(t)
-    assert blob != first  # ... then refreshed
+        blob = ctl.export_estimates(t, epoch)
+    assert blob != first  # ... and refreshed after a few calls
     regime = est.regime_changes(0)
     feed(2e9, 16)  # a step down: refreshed at once
     assert est.regime_changes(0) > regime
-    stepped = ctl.export_estimates(t)
+    stepped = ctl.export_estimates(t, epoch)
     assert stepped != blob
     ctl.merge_estimates(1, stepped)
     view = ctl.estimator.measured(1)

@@ -190,10 +190,10 @@ class _RankState:
 _BLOB_VERSION = 1
 _HDR = struct.Struct("<BBH")
 _ENTRY = struct.Struct("<BIff")
-# An export reuses the previous one's entries for this many calls unless a
-# plane's rate stepped (the estimator's regime count moved) or the dropped
-# flags changed: computing them is ~30 us of Python, 4% of a 2 MiB
-# all_reduce on shared memory, while decisions are reused for 8 operations.
+# While 'out' may not carry bytes (controller.may_use), an export reuses the
+# previous one's entries for this many calls unless a plane's rate stepped (the
+# estimator's regime count moved) or the dropped flags changed: computing them
+# is ~30 us of Python, 4% of a 2 MiB all_reduce on shared memory.
 EXPORT_REUSE_CALLS = 4
 # A settled operation (controller.settled) skips planning only if it takes less
 # than this on 'up': ~50 us of Python is 7% of a 2 MiB all_reduce on shared
@@ -783,8 +783,14 @@ class PathController:
         return rate > 0 and nbytes / rate < SETTLED_MAX_S
 
     # ------------------------------------------------------------ estimates I/O
-    def export_estimates(self, now: Optional[float] = None) -> bytes:
-        """This rank's measured estimates, to piggyback on its chunks (13 B per plane and peer)."""
+    def export_estimates(self, now: Optional[float] = None, epoch: Optional[int] = None) -> bytes:
+        """This rank's measured estimates, to piggyback on its chunks (13 B per plane and peer).
+
+        The entries of the previous export are reused (EXPORT_REUSE_CALLS)
+        only for an operation ``epoch`` in which 'out' may not carry bytes
+        (may_use): there every stage goes on 'up' whatever the numbers say,
+        while a rank that splits decides from what it exports and needs them
+        fresh."""
         st = self._states.get(self.rank)
         flags = 0
         for i, plane in enumerate(PLANES):
@@ -794,7 +800,8 @@ class PathController:
         regime = self.estimator.regime_changes(self.rank)
         cached = self._export_cache
         if (cached is not None and cached[1:3] == (flags, regime)
-                and self._exports - cached[0] < EXPORT_REUSE_CALLS):
+                and self._exports - cached[0] < EXPORT_REUSE_CALLS
+                and epoch is not None and not self.may_use("out", epoch)):
             return cached[3]
         entries = self.estimator.local_entries(self.rank, now)
         body = b"".join(_ENTRY.pack(PLANES.index(p), peer, rate, lat)
