@@ -27,6 +27,24 @@ def timed(comm, call: Callable[[], object]) -> float:
     return float(dt[0])
 
 
+WARMUP_ROUNDS = 3  # interleaved rounds timed but not kept
+
+
+def interleaved(comm, variants, repeats: int, prepare: Callable[[str], None],
+                call: Callable[[], object]) -> dict[str, list[float]]:
+    """Each variant's times over ``repeats`` rounds (after WARMUP_ROUNDS), the
+    variants interleaved within every round so drift hits them alike;
+    ``prepare(variant)`` sets the variant up before its timed ``call``."""
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for i in range(repeats + WARMUP_ROUNDS):
+        for v in variants:
+            prepare(v)
+            dt = timed(comm, call)
+            if i >= WARMUP_ROUNDS:
+                times[v].append(dt)
+    return times
+
+
 def main(script: str, description: str, default_out: str, default_repeats: int,
          rank_main: Callable[[int, str], None], report: Callable[[dict], str]) -> None:
     p = argparse.ArgumentParser(description=description)

@@ -38,15 +38,13 @@ def rank_main(repeats: int, out_path: str) -> None:
         x = np.ones(nbytes // 4, np.float32)
         out = np.empty_like(x)
         comm.set_path_policy(policy)
+        def use(variant):
+            comm.options = dataclasses.replace(base, failover=not variant.startswith("unprotected"))
+            x.fill(1.0)
+
         for inplace in (False, True):
-            times = {v: [] for v in VARIANTS}
-            for i in range(repeats + 3):
-                for v in VARIANTS:
-                    comm.options = dataclasses.replace(base, failover=not v.startswith("unprotected"))
-                    x.fill(1.0)
-                    dt = abjob.timed(comm, lambda: comm.all_reduce(x, None if inplace else out))
-                    if i >= 3:
-                        times[v].append(dt)
+            times = abjob.interleaved(comm, VARIANTS, repeats, use,
+                                      lambda: comm.all_reduce(x, None if inplace else out))
             rows.append({"nbytes": nbytes, "policy": str(policy), "inplace": inplace, "times": times})
             if comm.rank == 0:
                 med = {v: float(np.median(t)) for v, t in times.items()}

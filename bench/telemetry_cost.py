@@ -37,13 +37,11 @@ def rank_main(repeats: int, out_path: str) -> None:
     rows = []
     for nbytes in SIZES:
         x = np.ones(max(1, nbytes // 4), np.float32)
-        times = {v: [] for v in VARIANTS}
-        for i in range(repeats + 3):
-            for v in VARIANTS:
-                comm._telemetry = traced if v == "traced" else plain
-                dt = abjob.timed(comm, lambda: comm.all_reduce(x))
-                if i >= 3:
-                    times[v].append(dt)
+
+        def use(variant):
+            comm._telemetry = traced if variant == "traced" else plain
+
+        times = abjob.interleaved(comm, VARIANTS, repeats, use, lambda: comm.all_reduce(x))
         comm._telemetry = plain
         rows.append({"nbytes": nbytes, "times": times})
     traced.close()
