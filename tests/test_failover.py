@@ -102,11 +102,12 @@ def test_two_operations_in_flight_when_the_plane_fails():
         assert second["rejoined_after_ops"] is not None, rows
 
 
-def test_point_to_point_fails_on_both_ranks_at_once_when_a_plane_dies():
+def test_point_to_point_fails_on_both_ranks_at_once_when_a_plane_dies(tmp_path):
     """Not retried (only collectives are), but never a hang: the receiver hears
     of the sender's failure from its abort, long before its own timeout."""
     job = os.path.join(os.path.dirname(__file__), "programs", "p2p_fail_job.py")
-    p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "2", job], env=clean_env(),
+    p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "2", job],
+                       env=dict(clean_env(), P2P_FAIL_DONE_DIR=str(tmp_path)),
                        capture_output=True, text=True, timeout=120)
     rows = {}
     for line in p.stdout.splitlines():

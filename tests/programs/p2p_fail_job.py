@@ -3,9 +3,11 @@
 Point-to-point transfers are not retried on the plane left (collectives are):
 the sender's operation fails, its communicator aborts and tells rank 1, whose
 receive must fail within milliseconds, not at its 30 s no-progress timeout.
-Each rank prints one RESULT line (JSON).
+Each rank prints one RESULT line (JSON); P2P_FAIL_DONE_DIR is a directory both
+ranks can write.
 """
 import json
+import os
 import time
 
 import numpy as np
@@ -38,7 +40,15 @@ def main():
     except mpccs.MpccsError as exc:
         result["after"] = type(exc).__name__
     print("RESULT " + json.dumps(result), flush=True)
-    time.sleep(1.0)  # rank 1 may still be reading the message that told it; leave together
+    # Rank 0 stays until rank 1 has its result: were rank 0 gone first, rank 1
+    # could learn of it from its liveness check instead of rank 0's abort.
+    done = os.path.join(os.environ["P2P_FAIL_DONE_DIR"], "rank1.done")
+    if comm.rank == 1:
+        open(done, "w").close()
+    else:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 if __name__ == "__main__":
