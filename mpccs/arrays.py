@@ -10,20 +10,23 @@ import numpy as np
 from .reduce import OPS, SUPPORTED_DTYPES
 
 
+_SUPPORTED = frozenset(SUPPORTED_DTYPES)  # a hash lookup, not a dozen dtype comparisons per call
+
+
 def _is_cupy(arr) -> bool:
     return type(arr).__module__.startswith("cupy")
 
 
 def check_array(arr, name: str, *, writable: bool = False) -> np.ndarray:
     """A 1-D view of a C-contiguous numpy array of a supported dtype."""
-    if _is_cupy(arr):
-        raise TypeError(
-            f"{name}: cupy arrays need a GPU build of the planes (cuda_ipc/cuda_copy); "
-            f"this communicator was created for host memory"
-        )
     if not isinstance(arr, np.ndarray):
+        if _is_cupy(arr):
+            raise TypeError(
+                f"{name}: cupy arrays need a GPU build of the planes (cuda_ipc/cuda_copy); "
+                f"this communicator was created for host memory"
+            )
         raise TypeError(f"{name} must be a numpy array, got {type(arr).__name__}")
-    if arr.dtype not in SUPPORTED_DTYPES:
+    if arr.dtype not in _SUPPORTED:
         names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
         raise TypeError(f"{name}: dtype {arr.dtype} is not supported; supported: {names}")
     if not arr.flags.c_contiguous:

@@ -16,6 +16,7 @@ within noise from 1 MiB (docs/benchmarks.md, bench/telemetry_cost.py).
 """
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections import Counter
@@ -29,17 +30,23 @@ def wall(perf_t: float) -> float:
     return perf_t + _WALL_OFFSET
 
 
+@functools.lru_cache(maxsize=256)
+def _labelled(metric: str, label: str, value: str) -> str:
+    """A counter key with one label; cached (every operation counts under a few keys)."""
+    return f'{metric}{{{label}="{value}"}}'
+
+
 class Counters:
     def __init__(self):
         self.values: Counter = Counter()
 
     def observe(self, stats: dict) -> None:
         v = self.values
-        v[f"operations_total{{op=\"{stats.get('op', '?')}\"}}"] += 1
+        v[_labelled("operations_total", "op", stats.get("op", "?"))] += 1
         if "error" in stats:
             v["errors_total"] += 1
         for plane, nbytes in stats.get("bytes_per_plane", {}).items():
-            v[f"bytes_total{{plane=\"{plane}\"}}"] += nbytes
+            v[_labelled("bytes_total", "plane", plane)] += nbytes
         for stage in stats.get("stages", []):
             split = stage.get("split") or {}
             if split.get("fallback"):
@@ -53,6 +60,13 @@ class Counters:
                 v["retries_total"] += 1
             elif event.get("kind") == "plane_rejoined":
                 v[f"plane_rejoins_total{{plane=\"{event.get('plane')}\"}}"] += 1
+
+    def count_light(self, op: str, bytes_per_plane: dict) -> None:
+        """observe() for a successful operation without stages or events, without building its record."""
+        v = self.values
+        v[_labelled("operations_total", "op", op)] += 1
+        for plane, nbytes in bytes_per_plane.items():
+            v[_labelled("bytes_total", "plane", plane)] += nbytes
 
     def as_dict(self) -> dict:
         return dict(self.values)
@@ -80,6 +94,10 @@ class Telemetry:
         if path:
             target = path.replace("{rank}", str(rank)) if "{rank}" in path else f"{path}.rank{rank}"
             self._file = open(target, "a", buffering=1 << 16)
+
+    @property
+    def tracing(self) -> bool:
+        return self._file is not None
 
     def record(self, stats: dict) -> None:
         self.counters.observe(stats)

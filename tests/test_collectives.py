@@ -231,6 +231,28 @@ def test_several_async_operations_complete_in_any_order(pools):
     assert pools("3").run(async_in_flight) == [True, True, True]
 
 
+def small_async_same_size(comm):
+    # Same-size direct all_reduces share a buffer pool: in flight at once each
+    # needs its own buffers, and reused ones must not leak the last call's data.
+    n = comm.size
+    before = comm.metrics().get('operations_total{op="all_reduce"}', 0)
+    xs = [np.full(16, comm.rank * 10 + i, np.int64) for i in range(6)]
+    works = [comm.all_reduce(x, async_op=True) for x in xs]
+    for w in works[::-1]:
+        w.wait()
+    in_flight = all((x == sum(r * 10 + i for r in range(n))).all() for i, x in enumerate(xs))
+    again = [comm.all_reduce(np.full(16, comm.rank + i, np.int64))[0] for i in range(3)]
+    counted = comm.metrics()['operations_total{op="all_reduce"}'] - before
+    return in_flight, again, counted, comm.last_stats()["algorithm"]
+
+
+def test_small_async_all_reduces_of_one_size_keep_their_own_buffers(pools):
+    for in_flight, again, counted, algorithm in pools("3").run(small_async_same_size):
+        assert in_flight
+        assert again == [3, 6, 9]
+        assert counted == 9 and algorithm == "direct"
+
+
 def all_to_allv_case(comm, seed):
     n, rank = comm.size, comm.rank
     rng = np.random.default_rng(seed)
