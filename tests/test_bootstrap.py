@@ -1,6 +1,5 @@
 """Rendezvous, the store, the launchers (mpccs-run, mpiexec) and configuration."""
 import os
-import shutil
 import socket
 import struct
 import subprocess
@@ -64,11 +63,15 @@ def test_mpiexec_from_pip_mpich(script):
     assert "OK rank=0 size=2" in out.stdout and "OK rank=1 size=2" in out.stdout
 
 
-@pytest.mark.skipif(shutil.which("mpirun") is None or not os.path.exists("/usr/bin/orterun") and
-                    not os.path.exists("/usr/bin/prterun"), reason="Open MPI (Debian openmpi-bin) is not installed")
+# Open MPI's own launcher by path: a bare "mpirun" is pip mpich's when the venv's bin/ comes first on PATH.
+OPEN_MPI_RUN = next((p for p in ("/usr/bin/mpirun.openmpi", "/usr/bin/orterun", "/usr/bin/prterun") if os.path.exists(p)),
+                    None)
+
+
+@pytest.mark.skipif(OPEN_MPI_RUN is None, reason="Open MPI (Debian openmpi-bin) is not installed")
 def test_mpirun_from_open_mpi(script):
     env = clean_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    out = subprocess.run(["mpirun", "--oversubscribe", "-n", "2", sys.executable, script], env=env,
+    out = subprocess.run([OPEN_MPI_RUN, "--oversubscribe", "-n", "2", sys.executable, script], env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "OK rank=1 size=2" in out.stdout

@@ -588,7 +588,7 @@ class PathController:
             if info["mode"] == "check":
                 self._resolve_check(st, src, used[0], latency, k)
             return
-        self._lift_solo_refs(st, src, t_end, k)
+        self._lift_solo_refs(st, bytes_by_plane, duration, k)
         if info["mode"] == "probe":
             self._resolve_probe(st, src, info, nbytes, duration, latency, k)
         elif info["mode"] == "multipath":
@@ -604,21 +604,24 @@ class PathController:
             q.clear()  # a different regime: older records describe a plane that is gone
         q.append((k, rate))
 
-    def _lift_solo_refs(self, st: _RankState, src: int, now: float, k: int) -> None:
+    def _lift_solo_refs(self, st: _RankState, bytes_by_plane: Mapping[str, int], duration: float, k: int) -> None:
         """A plane's rate while sharing is a lower bound of its rate alone.
 
-        When the estimator sees a plane deliver well above its recorded solo
-        rate, the record is stale (the plane got faster); raise it instead of
-        spending a stage to re-measure. 0.9 removes the max filter's noise bias.
+        When a joint stage shows a plane delivering well above its recorded
+        solo rate, the record is stale (the plane got faster); raise it instead
+        of spending a stage to re-measure. The rate is what the stage realised
+        (the plane's bytes over the stage's time), never the estimator's: the
+        estimator sees completions at the sender's window, early where a
+        transport buffers (a tcp send completes in the socket buffer: 211 MB/s
+        read on a 125 MB/s link), and a solo record raised to that made 'up'
+        alone look faster than joint stages that beat it by 25%.
         """
         for plane in PLANES:
             q = st.solo[plane]
-            if not q:
-                continue
-            est = self.estimator.plane(src, plane, now)
-            if est.measured and 0.9 * est.rate_Bps > 1.2 * _median_rate(q):
+            realised = bytes_by_plane.get(plane, 0) / duration
+            if q and realised > 1.2 * _median_rate(q):
                 q.clear()
-                q.append((k, 0.9 * est.rate_Bps))
+                q.append((k, realised))
 
     def _solo_time(self, st: _RankState, plane: str, nbytes: int, latency: Mapping[str, float]) -> Optional[float]:
         q = st.solo[plane]

@@ -10,8 +10,10 @@ From those, BBR style:
   between two completions is the time the link needed for this chunk; after
   an idle gap the elapsed time also holds the path delay, so the sample is
   only a lower bound. While a path has only such samples (every part fits
-  in one chunk), ``a`` and ``B`` come from a line through (size, latency),
-  or from the prior delay when the sizes are too alike. Full samples
+  in one chunk; the engine's one delivery sample per stage), ``a`` comes
+  from a line through (size, latency), or is the prior delay when the sizes
+  are too alike, and ``B`` is the median of ``n / (latency - a)`` over the
+  latest five samples (they err both ways: see _fit_idle_only). Full samples
   are summed into rounds of a few chunks (bytes / elapsed over the round,
   as a BBR delivery-rate sample spans many ACKs) and the max filter runs
   over rounds: a max over single noisy chunks would overestimate every
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional
 
 PLANES = ("up", "out")
+IDLE_RATE_SAMPLES = 5  # idle-start samples whose median rate is the estimate (see _fit_idle_only)
 
 # Rates and delays below these are treated as "nothing measured" (a clock that
 # did not move, a zero-byte chunk) rather than as a plane of zero capacity.
@@ -170,8 +173,9 @@ class PathEstimator:
         ``B``: taking ``n / latency`` as the rate and ``min(latency - n / B)``
         as the delay gives a slow plane with no delay, which invites small
         parts that each pay the real delay. With sizes at least 2x apart a
-        least-squares line through (n, latency) separates the two; otherwise
-        the configured prior delay is assumed.
+        least-squares line through (n, latency) gives the delay; otherwise
+        the configured prior delay is assumed. The rate is then a median of
+        per-sample rates with that delay removed.
         """
         if fresh.idle_model is _UNSET:
             fresh.idle_model = self._fit_idle_only(fresh.clean)
@@ -180,6 +184,20 @@ class PathEstimator:
     def _fit_idle_only(self, clean: list) -> Optional[tuple[float, float]]:
         if not clean:
             return None
+        a = self._fit_delay(clean)
+        # The rate: the median over the latest samples, not the max. These are
+        # per-stage delivery samples (engine.StageRun.delivery_samples) and err
+        # both ways: fast when the peer started the stage early and its data
+        # waited in the receive buffers (700 MB/s read on a 62.5 MB/s link
+        # after it came back), slow when it started late. A max held the
+        # fastest outlier for max_age_s and split by it; the median of five
+        # drops such outliers and follows a real step within three stages.
+        recent = clean[-IDLE_RATE_SAMPLES:]
+        rates = sorted(n / max(lat - a, 0.1 * lat) for _, lat, n in recent)
+        return rates[len(rates) // 2], min(a, min(lat for _, lat, _ in clean))
+
+    def _fit_delay(self, clean: list) -> float:
+        """The fixed delay: a least-squares line through (size, latency) when sizes are at least 2x apart, else the prior."""
         sizes = [n for _, _, n in clean]
         if max(sizes) >= 2 * min(sizes):
             m = len(clean)
@@ -189,10 +207,8 @@ class PathEstimator:
             slope = sum((n - mean_n) * (lat - mean_l) for _, lat, n in clean) / var
             a = mean_l - slope * mean_n
             if slope > 0 and a >= 0:
-                return 1.0 / slope, a
-        a = self.prior_latency_s
-        rate = max(n / max(lat - a, 0.1 * lat) for _, lat, n in clean)
-        return rate, min(a, min(lat for _, lat, _ in clean))
+                return a
+        return self.prior_latency_s
 
     def rate(self, now: Optional[float] = None) -> Optional[float]:
         return self._rate(self._snapshot(now))
