@@ -645,3 +645,33 @@ def test_chunk_for_gives_large_steps_sixteen_chunks():
     assert chunk_for(8 * MiB) == 512 * KiB  # 16 from 8 MiB: a split lands within 1/16 of its plan
     assert chunk_for(64 * MiB) == 1 * MiB  # capped
     assert chunk_for(100) == 64 * KiB  # floored
+
+
+def test_inconclusive_probe_is_repeated_in_the_next_operation():
+    cfg = ControlConfig(probe_every=8, probe_backoff_max=4)
+    drv = make(up=(6.4e9, 14e-6), out=(0.8e9, 29e-6), cfg=cfg, interference={"up": 0.4, "out": 0.5})
+    flows = one_flow()
+    for _ in range(10):
+        drv.step(flows)
+    assert drv.controller.snapshot()["ranks"]["0"]["dropped"] == ["out"]
+    drv.planes.interference = {}  # 'out' would pay now
+    solo_s = flows[0].nbytes / 6.4e9
+    on_stage = drv.controller.on_stage
+    spoiled = []
+
+    def first_probe_as_slow_as_solo(decision, t_start, t_end, bytes_by_plane, rank=None):
+        if mode(decision) == "probe" and not spoiled:
+            spoiled.append(True)  # one noisy stage: neither gain nor harm
+            t_end = t_start + solo_s
+        on_stage(decision, t_start, t_end, bytes_by_plane, rank=rank)
+
+    drv.controller.on_stage = first_probe_as_slow_as_solo
+    modes = []
+    for _ in range(3 * cfg.probe_every):
+        d, _ = drv.step(flows)
+        modes.append(mode(d))
+        if spoiled and not d.reason["ranks"]["0"]["dropped"]:
+            break
+    first = modes.index("probe")
+    assert modes[first + 1] == "probe"  # repeated at once, not probe_every later
+    assert not drv.controller.snapshot()["ranks"]["0"]["dropped"]  # and the repeat brought 'out' back

@@ -169,6 +169,8 @@ class _RankState:
     probe_interval: int = 0
     next_probe_k: float = math.inf
     last_probe_epoch: Optional[int] = None
+    confirm_epoch: Optional[int] = None  # an inconclusive probe is repeated once, in the next operation
+    confirming: bool = False  # the probe in flight is that repeat
     checks: int = 0
     drops: int = 0
     probes: int = 0
@@ -349,6 +351,8 @@ class PathController:
             return _Mode("check", plane=plane, dropped=dropped)
         if st.dropped and self._probe_due(st, k, epoch):
             plane = sorted(st.dropped)[0]  # one plane at a time
+            st.confirming = st.confirm_epoch is not None and epoch == st.confirm_epoch
+            st.confirm_epoch = None
             st.next_probe_k = k + max(1, st.probe_interval)
             st.last_probe_epoch = epoch
             st.probes += 1
@@ -360,6 +364,8 @@ class PathController:
             return k >= st.next_probe_k
         if epoch == st.last_probe_epoch:
             return False  # one probe per operation: its first decision
+        if epoch == st.confirm_epoch:
+            return True
         if st.probes == 0 and epoch >= FIRST_PROBE_AFTER and st.readds == 0 and st.drops == 0:
             return epoch == FIRST_PROBE_AFTER or epoch % self.config.probe_every == 0
         return epoch % max(1, st.probe_interval) == 0
@@ -731,10 +737,19 @@ class PathController:
                                  "probe_s": duration, "solo_s": t_solo})
             return
         if t_solo is not None and duration > t_solo * (1 + cfg.harm_margin):
-            # Still harmful: probe less often. A neutral probe (too small a
-            # share to show a gain, e.g. from a stale estimate) keeps the pace;
-            # its chunks refreshed the estimate for the next one.
+            # Still harmful: probe less often.
             st.probe_interval = min(st.probe_interval * 2, cfg.probe_every * cfg.probe_backoff_max)
+        elif not st.confirming:
+            # Neither a gain nor harm: repeat it once, in the next operation.
+            # One stage decides a probe, and one in ten came out ~15 ms slow
+            # on one rank of the testbed (solo 65 ms, probes 48); that rank
+            # kept the plane dropped, the peer re-added it, and the peer's
+            # joint stages, waiting on the first rank's single-plane data,
+            # showed no gain and dropped it too, for 16+ operations. The
+            # repeat also runs on chunks that refreshed the estimate.
+            st.confirm_epoch = None if st.last_probe_epoch is None else st.last_probe_epoch + 1
+            st.next_probe_k = k + 1
+            return
         st.next_probe_k = k + st.probe_interval
 
     def _drop(self, st, src, keep, k, evidence) -> None:
