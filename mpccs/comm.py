@@ -279,6 +279,9 @@ class Communicator:
             return
         stats = op.stats()
         rejoined = health.take_events()
+        if self._engine.controller is not None:
+            # Why the split changed: drops and re-adds with their evidence.
+            rejoined += [{"kind": "controller", **e} for e in self._engine.controller.take_events()]
         if rejoined:
             stats["events"] = stats.get("events", []) + rejoined
         if op.error is None:

@@ -193,8 +193,14 @@ class Splitter:
         cached = None
         if self.cache is not None:
             cached = self.cache.get(key, settled=not self.controller.may_use(OUT, epoch))
-        if cached is not None and self.controller.probe_due(epoch):
-            cached = None  # every rank probes in this operation: a reused decision must not skip it
+        if cached is not None and (self.controller.probe_due(epoch)
+                                   or (epoch is not None and self.controller.probe_due(epoch + 1))):
+            # Every rank probes in this operation: a reused decision must not
+            # skip it. Nor the operation before: its solo stages are the record
+            # the probe is judged against (reused, the record was the first
+            # operation's cold stage, 1.8 ms where warm ones take 0.9, and every
+            # probe looked like a gain).
+            cached = None
         if cached is not None:
             splits = {f.id: s for (f, _), s in zip(flows, cached.splits)}
             return StagePlan(splits, cached.window_bytes, {**cached.reason, "reused": cached.uses}, key)

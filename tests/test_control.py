@@ -675,3 +675,17 @@ def test_inconclusive_probe_is_repeated_in_the_next_operation():
     first = modes.index("probe")
     assert modes[first + 1] == "probe"  # repeated at once, not probe_every later
     assert not drv.controller.snapshot()["ranks"]["0"]["dropped"]  # and the repeat brought 'out' back
+
+
+
+def test_plane_left_unused_for_four_multipath_stages_is_dropped():
+    # After a re-add the model may still give 'out' nothing (it does not pay at
+    # this size): the state must say so, or operations never run settled.
+    from mpccs.control.controller import UNUSED_STAGES_BEFORE_DROP, _RankState
+    ctrl = PathController(ControlConfig())
+    st = ctrl._states.setdefault(0, _RankState())
+    for k in range(UNUSED_STAGES_BEFORE_DROP - 1):
+        ctrl._note_unused(st, 0, keep="up", k=k)
+    assert not st.dropped
+    ctrl._note_unused(st, 0, keep="up", k=UNUSED_STAGES_BEFORE_DROP)
+    assert st.dropped == {"out"} and st.drops == 1

@@ -151,6 +151,7 @@ class _Mode:
 
 
 MISPREDICTIONS_BEFORE_JUDGING = 3
+UNUSED_STAGES_BEFORE_DROP = 4  # see PathController._note_unused
 FIRST_PROBE_AFTER = 4  # decisions (epochs) before the first probe of a plane that starts dropped: the median of 3 solo stages is the reference, not a cold first one
 
 
@@ -171,6 +172,8 @@ class _RankState:
     last_probe_epoch: Optional[int] = None
     confirm_epoch: Optional[int] = None  # an inconclusive probe is repeated once, in the next operation
     confirming: bool = False  # the probe in flight is that repeat
+    readd_epoch: Optional[int] = None  # epoch of the probe that last brought a plane back
+    unused_stages: int = 0  # consecutive multipath stages that gave a usable plane nothing
     checks: int = 0
     drops: int = 0
     probes: int = 0
@@ -224,6 +227,8 @@ class PathController:
         self._remote_dropped: dict[int, set] = {}     # other ranks' dropped planes (from blobs)
         self._shares: dict[tuple, float] = {}         # (src, dst, size class) -> share on 'out'
         self._events: deque = deque(maxlen=64)
+        self._events_total = 0  # events ever appended (take_events hands out the ones since its last call)
+        self._events_taken = 0
         self._last_reason: Optional[dict] = None
         self._export_cache: Optional[tuple] = None    # (calls, flags, regime changes, blob)
         self._exports = 0
@@ -593,8 +598,15 @@ class PathController:
             self._record_solo(st, src, used[0], nbytes, duration, latency[used[0]], k)
             if info["mode"] == "check":
                 self._resolve_check(st, src, used[0], latency, k)
+            elif info["mode"] == "multipath" and not st.dropped:
+                self._note_unused(st, src, keep=used[0], k=k)
             return
-        self._lift_solo_refs(st, bytes_by_plane, duration, k)
+        # Solo records come from solo stages only. Raised from joint stages
+        # (the estimator's rate: early tcp completions, 211 MB/s on a 125 MB/s
+        # link; or the stage's own 'up' rate, which judges the stage against
+        # itself) they dropped planes that paid. A record left low by a plane
+        # that got faster keeps a plane that may not pay, until a check.
+        st.unused_stages = 0
         if info["mode"] == "probe":
             self._resolve_probe(st, src, info, nbytes, duration, latency, k)
         elif info["mode"] == "multipath":
@@ -610,30 +622,15 @@ class PathController:
             q.clear()  # a different regime: older records describe a plane that is gone
         q.append((k, rate))
 
-    def _lift_solo_refs(self, st: _RankState, bytes_by_plane: Mapping[str, int], duration: float, k: int) -> None:
-        """A plane's rate while sharing is a lower bound of its rate alone.
-
-        When a joint stage shows a plane delivering well above its recorded
-        solo rate, the record is stale (the plane got faster); raise it instead
-        of spending a stage to re-measure. The rate is what the stage realised
-        (the plane's bytes over the stage's time), never the estimator's: the
-        estimator sees completions at the sender's window, early where a
-        transport buffers (a tcp send completes in the socket buffer: 211 MB/s
-        read on a 125 MB/s link), and a solo record raised to that made 'up'
-        alone look faster than joint stages that beat it by 25%.
-        """
-        for plane in PLANES:
-            q = st.solo[plane]
-            realised = bytes_by_plane.get(plane, 0) / duration
-            if q and realised > 1.2 * _median_rate(q):
-                q.clear()
-                q.append((k, realised))
-
-    def _solo_time(self, st: _RankState, plane: str, nbytes: int, latency: Mapping[str, float]) -> Optional[float]:
+    def _solo_time(self, st: _RankState, plane: str, nbytes: int, latency: Mapping[str, float],
+                   best: bool = False) -> Optional[float]:
+        """Time of ``nbytes`` on ``plane`` alone from its solo records: their
+        median rate, or with ``best`` the fastest (see _resolve_probe)."""
         q = st.solo[plane]
         if not q:
             return None
-        return latency[plane] + nbytes / _median_rate(q)
+        rate = max(r for _, r in q) if best else _median_rate(q)
+        return latency[plane] + nbytes / rate
 
     def _best_solo(self, st, nbytes, latency, planes=PLANES) -> Optional[tuple[str, float]]:
         times = {p: self._solo_time(st, p, nbytes, latency) for p in planes}
@@ -725,15 +722,20 @@ class PathController:
         cfg = self.config
         keep = next((p for p in PLANES if p not in st.dropped), None)
         t_solo = self._solo_time(st, keep, nbytes, latency) if keep else None
+        # A re-add must beat the plane's best solo record, not the median: the
+        # records of a communicator's first, cold operations are slow, and
+        # probes judged against them re-added 'out' on the default planes.
+        t_best = self._solo_time(st, keep, nbytes, latency, best=True) if keep else None
         # No solo record (cleared by a regime change) is no evidence: the
         # stages the dropped plane leaves solo refill it before the next probe.
-        if t_solo is not None and duration < t_solo * (1 - cfg.readd_margin):
+        if t_best is not None and duration < t_best * (1 - cfg.readd_margin):
             st.dropped.clear()
             st.joint.clear()
             st.probe_interval = 0
             st.next_probe_k = math.inf
             st.readds += 1
-            self._events.append({"decision": k, "rank": src, "event": "readd", "plane": info["plane"],
+            st.readd_epoch = st.last_probe_epoch
+            self._note_event({"decision": k, "rank": src, "event": "readd", "plane": info["plane"],
                                  "probe_s": duration, "solo_s": t_solo})
             return
         if t_solo is not None and duration > t_solo * (1 + cfg.harm_margin):
@@ -752,10 +754,34 @@ class PathController:
             return
         st.next_probe_k = k + st.probe_interval
 
+    def _note_event(self, event: dict) -> None:
+        if self._epoch is not None:
+            event["epoch"] = self._epoch
+        self._events.append(event)
+        self._events_total += 1
+
+    def take_events(self) -> list[dict]:
+        """Drop and re-add events since the last call (for the operation's telemetry record)."""
+        fresh = min(self._events_total - self._events_taken, len(self._events))
+        self._events_taken = self._events_total
+        return list(self._events)[len(self._events) - fresh:] if fresh else []
+
+    def _note_unused(self, st, src, keep, k) -> None:
+        """A plane the split may use but gives nothing, stage after stage, is
+        dropped: the state then says what happens (one plane), operations can
+        run settled, and probes on the shared grid test the plane again. A
+        re-add judged against an old solo record (the first, cold operations)
+        otherwise left 'out' "in use" with a zero share for good, every later
+        operation planned (~50 us each at 2 MiB) and never settled."""
+        st.unused_stages += 1
+        if st.unused_stages >= UNUSED_STAGES_BEFORE_DROP:
+            self._drop(st, src, keep=keep, k=k, evidence={"unused_stages": st.unused_stages})
+
     def _drop(self, st, src, keep, k, evidence) -> None:
         cfg = self.config
         st.dropped = {p for p in PLANES if p != keep}
         st.drops += 1
+        st.unused_stages = 0
         st.pending_check = None
         st.joint.clear()
         st.probe_interval = cfg.probe_every
@@ -764,7 +790,7 @@ class PathController:
         for key in list(self._shares):
             if key[0] == src:
                 self._shares[key] = forced
-        self._events.append({"decision": k, "rank": src, "event": "drop", "planes": sorted(st.dropped),
+        self._note_event({"decision": k, "rank": src, "event": "drop", "planes": sorted(st.dropped),
                              "keep": keep, **evidence})
 
     def may_use(self, plane: str, epoch: Optional[int]) -> bool:
@@ -884,6 +910,14 @@ class PathController:
         """
         st = self._states.get(self.rank)
         if st is None or rank == self.rank or not self.config.multipath:
+            return
+        if st.readd_epoch is not None and self._epoch is not None and self._epoch <= st.readd_epoch + 1:
+            # This rank re-added the plane at probe epoch e; a peer whose probe
+            # there was inconclusive repeats it at e + 1, and its flags say
+            # "dropped" until its blob after that (blobs also arrive with
+            # chunks, mid-operation). Following them undid the re-add before
+            # the repeat could confirm it, and the repeat's re-add was undone
+            # in turn by this rank's drop: both on one plane for 16+ operations.
             return
         for plane in sorted(dropped - st.dropped):
             keep = next((p for p in PLANES if p != plane), None)
