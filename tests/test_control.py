@@ -239,12 +239,16 @@ def test_small_flows_go_to_single_fastest_plane():
     assert "under" in " ".join(d.reason["ranks"]["0"]["why"])
 
 
-def test_harmful_second_plane_dropped_then_reprobed_back():
-    # Shared cores: together each plane runs at a fraction of its solo rate and
-    # the sum (0.4 * 6.4 + 0.5 * 0.8 = 2.96 GB/s) is below 'up' alone (6.4).
+def shared_cores():
+    """Shared cores: together each plane runs at a fraction of its solo rate and
+    the sum (0.4 * 6.4 + 0.5 * 0.8 = 2.96 GB/s) is below 'up' alone (6.4)."""
     cfg = ControlConfig(probe_every=8, probe_backoff_max=4)
     drv = make(up=(6.4e9, 14e-6), out=(0.8e9, 29e-6), cfg=cfg, interference={"up": 0.4, "out": 0.5})
-    flows = one_flow()
+    return cfg, drv, one_flow()
+
+
+def test_harmful_second_plane_dropped_then_reprobed_back():
+    cfg, drv, flows = shared_cores()
     for _ in range(6):
         drv.step(flows)
     solo_s = flows[0].nbytes / 6.4e9
@@ -648,9 +652,7 @@ def test_chunk_for_gives_large_steps_sixteen_chunks():
 
 
 def test_inconclusive_probe_is_repeated_in_the_next_operation():
-    cfg = ControlConfig(probe_every=8, probe_backoff_max=4)
-    drv = make(up=(6.4e9, 14e-6), out=(0.8e9, 29e-6), cfg=cfg, interference={"up": 0.4, "out": 0.5})
-    flows = one_flow()
+    cfg, drv, flows = shared_cores()
     for _ in range(10):
         drv.step(flows)
     assert drv.controller.snapshot()["ranks"]["0"]["dropped"] == ["out"]
