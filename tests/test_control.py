@@ -586,6 +586,12 @@ def test_export_reuses_recent_entries_until_a_rate_steps_or_flags_change():
     ctl.merge_estimates(1, stepped)
     view = ctl.estimator.measured(1)
     assert view[("up", 1)].rate_Bps < 3e9
+    # No sample since: the same blob for as long as the estimator's age window
+    # allows (settled operations give no feedback), then rebuilt.
+    fresh = ctl.export_estimates(t, epoch)
+    for _ in range(3 * EXPORT_REUSE_CALLS):
+        assert ctl.export_estimates(t + 0.5, epoch) is fresh
+    assert ctl.export_estimates(t + cfg.filter_max_age_s + 0.1, epoch) is not fresh
 
 
 def test_settled_only_between_probe_epochs_when_every_rank_dropped_out():

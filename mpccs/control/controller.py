@@ -230,7 +230,7 @@ class PathController:
         self._events_total = 0  # events ever appended (take_events hands out the ones since its last call)
         self._events_taken = 0
         self._last_reason: Optional[dict] = None
-        self._export_cache: Optional[tuple] = None    # (calls, flags, regime changes, blob)
+        self._export_cache: Optional[tuple] = None    # (calls, flags, regime changes, blob, samples seen, time)
         self._exports = 0
         self._merged: dict[int, bytes] = {}           # the last blob merged from each rank
         self._exported_up_rate: Optional[float] = None  # best 'up' rate in this rank's last export
@@ -844,8 +844,9 @@ class PathController:
         regime = self.estimator.regime_changes(self.rank)
         cached = self._export_cache
         if (cached is not None and cached[1:3] == (flags, regime)
-                and self._exports - cached[0] < EXPORT_REUSE_CALLS
-                and epoch is not None and not self.may_use("out", epoch)):
+                and epoch is not None and not self.may_use("out", epoch)
+                and (self._exports - cached[0] < EXPORT_REUSE_CALLS
+                     or self._unchanged_since(cached, now))):
             return cached[3]
         entries = self.estimator.local_entries(self.rank, now)
         body = b"".join(_ENTRY.pack(PLANES.index(p), peer, rate, lat)
@@ -853,10 +854,19 @@ class PathController:
         blob = bytes([_BLOB_VERSION]) + _HDR.pack(flags, 0, len(entries)) + body
         if self.config.decide_from_exported_view:
             self.merge_estimates(self.rank, blob)
-        self._export_cache = (self._exports, flags, regime, blob) if entries else None
+        self._export_cache = (self._exports, flags, regime, blob, self.estimator.samples_seen, now) if entries else None
         # What settled() sizes operations with (estimator.plane() builds a view: 5 us a call).
         self._exported_up_rate = max((rate for (p, _), (rate, _) in entries.items() if p == "up"), default=None)
         return blob
+
+    def _unchanged_since(self, cached: tuple, now: Optional[float]) -> bool:
+        """No sample arrived since that export and its samples have not aged
+        past the estimator's window since: the same blob again. Settled
+        operations give no feedback, so this holds between probes, where
+        rebuilding the blob every EXPORT_REUSE_CALLS cost ~30 us per operation
+        on average (2 MiB all_reduce on shared memory: ~4% of it)."""
+        return (cached[4] == self.estimator.samples_seen and now is not None and cached[5] is not None
+                and now - cached[5] < self.config.filter_max_age_s)
 
     @staticmethod
     def blob_capacity(npeers: int) -> int:

@@ -324,11 +324,13 @@ class Estimator:
         self._paths: dict[int, dict[tuple[str, int], PathEstimator]] = {}   # src -> (plane, peer) -> path
         self._last_done: dict[tuple[int, str], float] = {}
         self._remote: dict[int, dict[tuple[str, int], tuple[float, float]]] = {}
+        self.samples_seen = 0  # observations so far: unchanged means every local estimate is as it was (but for age)
 
     # -- observations ---------------------------------------------------
     def observe(self, src: int, plane: str, peer: int, nbytes: int, t_post: float, t_done: float) -> None:
         if plane not in PLANES:
             raise ValueError(f"unknown plane {plane!r}")
+        self.samples_seen += 1
         paths = self._paths.setdefault(src, {})
         path = paths.get((plane, peer))
         if path is None:
