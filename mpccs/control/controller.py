@@ -601,12 +601,12 @@ class PathController:
             elif info["mode"] == "multipath" and not st.dropped:
                 self._note_unused(st, src, keep=used[0], k=k)
             return
+        st.unused_stages = 0  # both planes carried bytes
         # Solo records come from solo stages only. Raised from joint stages
         # (the estimator's rate: early tcp completions, 211 MB/s on a 125 MB/s
         # link; or the stage's own 'up' rate, which judges the stage against
         # itself) they dropped planes that paid. A record left low by a plane
         # that got faster keeps a plane that may not pay, until a check.
-        st.unused_stages = 0
         if info["mode"] == "probe":
             self._resolve_probe(st, src, info, nbytes, duration, latency, k)
         elif info["mode"] == "multipath":
@@ -736,7 +736,7 @@ class PathController:
             st.readds += 1
             st.readd_epoch = st.last_probe_epoch
             self._note_event({"decision": k, "rank": src, "event": "readd", "plane": info["plane"],
-                                 "probe_s": duration, "solo_s": t_solo})
+                              "probe_s": duration, "solo_s": t_solo, "best_solo_s": t_best})
             return
         if t_solo is not None and duration > t_solo * (1 + cfg.harm_margin):
             # Still harmful: probe less often.
