@@ -278,12 +278,12 @@ class Communicator:
             self._last_stats = op
             return
         stats = op.stats()
-        rejoined = health.take_events()
+        events = health.take_events()  # plane rejoins
         if self._engine.controller is not None:
             # Why the split changed: drops and re-adds with their evidence.
-            rejoined += [{"kind": "controller", **e} for e in self._engine.controller.take_events()]
-        if rejoined:
-            stats["events"] = stats.get("events", []) + rejoined
+            events += [{"kind": "controller", **e} for e in self._engine.controller.take_events()]
+        if events:
+            stats["events"] = stats.get("events", []) + events
         if op.error is None:
             self._last_stats = stats
         else:

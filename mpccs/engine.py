@@ -1208,13 +1208,10 @@ def fp_blob_capacity(engine, world: int) -> int:
     estimates, or a direct all_reduce's payload (so either kind of message fits
     the other's receive, and a mismatch between them is reported, not truncated).
     Kept on the engine: every small all_reduce asks."""
-    key = (world, engine.controller is not None)
-    cached = engine.__dict__.get("_fp_capacity")
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    blob = 1 + engine.controller.blob_capacity(world - 1) if engine.controller is not None else 0  # + declaration
-    capacity = max(blob, DIRECT_MAX_BYTES)
-    engine._fp_capacity = (key, capacity)
+    capacity = engine.fp_capacity.get(world)
+    if capacity is None:
+        blob = 1 + engine.controller.blob_capacity(world - 1) if engine.controller is not None else 0  # + declaration
+        capacity = engine.fp_capacity[world] = max(blob, DIRECT_MAX_BYTES)
     return capacity
 
 
@@ -1424,6 +1421,7 @@ class Engine:
         self._parked: list = []
         self._next_control_poll = 0.0
         self._direct_pool: dict[tuple, list] = {}  # DirectBuffers by (nbytes, capacity, npeers)
+        self.fp_capacity: dict[int, int] = {}  # fp_blob_capacity by world size
 
     def direct_buffers(self, nbytes: int, capacity: int, npeers: int) -> "DirectBuffers":
         pool = self._direct_pool.get((nbytes, capacity, npeers))

@@ -42,11 +42,9 @@ class Counters:
 
     def observe(self, stats: dict) -> None:
         v = self.values
-        v[_labelled("operations_total", "op", stats.get("op", "?"))] += 1
+        self.count_light(stats.get("op", "?"), stats.get("bytes_per_plane", {}))
         if "error" in stats:
             v["errors_total"] += 1
-        for plane, nbytes in stats.get("bytes_per_plane", {}).items():
-            v[_labelled("bytes_total", "plane", plane)] += nbytes
         for stage in stats.get("stages", []):
             split = stage.get("split") or {}
             if split.get("fallback"):
@@ -62,7 +60,8 @@ class Counters:
                 v[f"plane_rejoins_total{{plane=\"{event.get('plane')}\"}}"] += 1
 
     def count_light(self, op: str, bytes_per_plane: dict) -> None:
-        """observe() for a successful operation without stages or events, without building its record."""
+        """The operation and byte counts: all of observe() for a successful
+        operation without stages or events, whose record need not be built."""
         v = self.values
         v[_labelled("operations_total", "op", op)] += 1
         for plane, nbytes in bytes_per_plane.items():

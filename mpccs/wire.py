@@ -48,13 +48,13 @@ def attempt_seq(seq: int, attempt: int) -> int:
     return (seq % RETRY_BIT) | (RETRY_BIT if attempt else 0)
 
 
-def make_tag(kind: int, comm: int, seq: int, mid: int, low: int = 0) -> int:
-    return (kind << 62) | ((comm & 0xFF) << 54) | ((seq % SEQ_MOD) << 40) | ((mid & (MAX_FLOWS - 1)) << 20) | (low & LOW_MASK)
-
-
 def mid_bits(mid: int) -> int:
     """The middle field of a tag alone: make_tag(k, c, s, 0, l) | mid_bits(m) == make_tag(k, c, s, m, l)."""
     return (mid & (MAX_FLOWS - 1)) << 20
+
+
+def make_tag(kind: int, comm: int, seq: int, mid: int, low: int = 0) -> int:
+    return (kind << 62) | ((comm & 0xFF) << 54) | ((seq % SEQ_MOD) << 40) | mid_bits(mid) | (low & LOW_MASK)
 
 
 def split_tag(tag: int) -> tuple[int, int, int, int, int]:
