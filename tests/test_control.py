@@ -697,3 +697,16 @@ def test_plane_left_unused_for_four_multipath_stages_is_dropped():
     assert not st.dropped
     ctrl._note_unused(st, 0, keep="up", k=UNUSED_STAGES_BEFORE_DROP)
     assert st.dropped == {"out"} and st.drops == 1
+
+
+def test_solo_records_judge_only_stages_of_a_comparable_size():
+    # A small stage's rate is mostly fixed cost: judging a 2 MiB probe against
+    # it made every probe look like a gain (default planes, a pool of ranks
+    # that ran many sizes before). Records within 2x of the size only.
+    from mpccs.control.controller import _RankState
+    ctrl = PathController(ControlConfig())
+    st = _RankState()
+    lat = {"up": 0.0, "out": 0.0}
+    ctrl._record_solo(st, 0, "up", 64 * KiB, 1e-3, 0.0, k=1)  # 64 KiB in 1 ms: 66 MB/s
+    assert ctrl._solo_time(st, "up", 2 * MiB, lat) is None
+    assert ctrl._solo_time(st, "up", 100 * KiB, lat) == pytest.approx(100 * KiB / (64 * KiB / 1e-3))

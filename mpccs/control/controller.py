@@ -160,7 +160,7 @@ class _RankState:
     """Negative-value bookkeeping of one sending rank, from its realised stages."""
 
     dropped: set = field(default_factory=set)
-    solo: dict = field(default_factory=lambda: {p: deque(maxlen=5) for p in PLANES})  # (k, net rate)
+    solo: dict = field(default_factory=lambda: {p: deque(maxlen=5) for p in PLANES})  # (k, net rate, bytes)
     pending_check: Optional[str] = None
     joint: deque = field(default_factory=lambda: deque(maxlen=3))   # judged joint stages: (bytes, seconds)
     regime_at_joint: int = 0
@@ -620,16 +620,20 @@ class PathController:
         q = st.solo[plane]
         if q and not 0.8 <= rate / _median_rate(q) <= 1.25:
             q.clear()  # a different regime: older records describe a plane that is gone
-        q.append((k, rate))
+        q.append((k, rate, nbytes))
 
     def _solo_time(self, st: _RankState, plane: str, nbytes: int, latency: Mapping[str, float],
                    best: bool = False) -> Optional[float]:
-        """Time of ``nbytes`` on ``plane`` alone from its solo records: their
-        median rate, or with ``best`` the fastest (see _resolve_probe)."""
-        q = st.solo[plane]
-        if not q:
+        """Time of ``nbytes`` on ``plane`` alone from its solo records of a
+        comparable size (within 2x): their median rate, or with ``best`` the
+        fastest (see _resolve_probe). A stage's rate depends on its size
+        (fixed costs weigh more in small ones), and a communicator runs many
+        sizes: a 2 MiB probe judged against records left by other sizes looked
+        like a gain on the default planes and re-added 'out' for good."""
+        rates = [r for _, r, n in st.solo[plane] if n / 2 <= nbytes <= 2 * n]
+        if not rates:
             return None
-        rate = max(r for _, r in q) if best else _median_rate(q)
+        rate = max(rates) if best else statistics.median(rates)
         return latency[plane] + nbytes / rate
 
     def _best_solo(self, st, nbytes, latency, planes=PLANES) -> Optional[tuple[str, float]]:
