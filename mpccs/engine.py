@@ -360,9 +360,9 @@ class StageRun:
 
         The estimator learns a link from what arrives over it: a receiver sees
         delivered bytes whatever the protocol, while a sender's completion
-        under an eager protocol only means the socket took them. Links are
-        taken as symmetric (the rate from a peer is the rate to it), true of
-        full-duplex fabrics. The interval runs from this rank's stage start
+        under an eager protocol only means the socket took them. The sample
+        belongs to the peer's path to this rank (controller.on_delivery), and
+        the peer learns it from this rank's exported estimates. The interval runs from this rank's stage start
         to the last arrival: arrival times alone mislead when a flow fits in
         the socket buffers (the first chunk already waited for most of the
         transfer), and in symmetric collectives the peer starts the stage
@@ -1015,7 +1015,7 @@ class CollectiveOp(Operation):
                 # 0.8 with 'adaptive') describe splits it did not choose and
                 # upset its solo/joint bookkeeping.
                 for sample in run.delivery_samples():
-                    self.engine.controller.on_chunk(*sample)
+                    self.engine.controller.on_delivery(*sample)
             if self.engine.controller is not None and run.plan is not None and "decision" in run.plan.reason:
                 self.engine.controller.on_stage(run.plan.reason["decision"], run.t_start, run.t_end, dict(run.bytes_by_plane))
             self._stage_complete(run.stage.id)

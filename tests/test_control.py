@@ -447,6 +447,55 @@ def test_export_merge_gives_every_rank_the_same_decision():
         ctls[0].merge_estimates(1, blobs[1][:-3])
 
 
+def deliver(ctls, res):
+    """What the engine reports: each receiver's bytes per (plane, sender) over the stage."""
+    seen = {}
+    for ev in res.chunks:
+        first, last, n = seen.get((ev.dst, ev.plane, ev.src), (res.t_start, 0.0, 0))
+        seen[(ev.dst, ev.plane, ev.src)] = (first, max(last, ev.t_done), n + ev.nbytes)
+    for (dst, plane, src), (first, last, n) in seen.items():
+        ctls[dst].on_delivery(plane, src, n, first, last)
+
+
+def test_asymmetric_links_are_learnt_from_the_receiver_and_agreed():
+    # 'out' from rank 0 to rank 1 is loaded (a quarter of its rate); 1 -> 0 is
+    # not. Each rank only sees what arrives at it: rank 0 sees the fast
+    # direction, rank 1 the slow one. Filed under the sender's path and
+    # exported, both ranks plan flow 0->1 with little on 'out' and 1->0 with
+    # its idle share (filed under their own outgoing path they inverted it).
+    up, out = SyntheticLink(10e9, 10e-6), SyntheticLink(5e9, 30e-6)
+    planes = SyntheticPlanes.uniform([0, 1], up, out, seed=23,
+                                     links={(0, "out", 1): SyntheticLink(1.25e9, 30e-6)})
+    flows = ring_flows(2, 32 * MiB)
+    ctls = [PathController(ControlConfig(), rank=r) for r in range(2)]
+    now = 0.0
+    for _ in range(8):
+        d0, d1 = (c.decide(flows, now) for c in ctls)
+        d = StageDecision({0: d0.up_bytes[0], 1: d1.up_bytes[1]}, d0.window_bytes, True,
+                          {0: d0.out_cap_bytes[0], 1: d1.out_cap_bytes[1]}, {})
+        res = planes.run_stage(d, flows, now, 512 * KiB)
+        deliver(ctls, res)
+        for src, t_end in res.t_end_by_src.items():
+            ctls[src].on_stage(d0 if src == 0 else d1, now, t_end, res.bytes_by_src[src])
+        blobs = [c.export_estimates(now) for c in ctls]
+        for c in ctls:
+            for r, b in enumerate(blobs):
+                if r != c.rank:
+                    c.merge_estimates(r, b)
+        now = res.t_end + 1e-4
+    for c in ctls:  # one view on both ranks, each direction measured by its receiver
+        assert c.estimator.measured(0)[("out", 1)].rate_Bps < 2e9
+        assert c.estimator.measured(1)[("out", 0)].rate_Bps > 3.5e9
+    # Flow 0->1 gets about its own best share, 1.25 / 11.25 = 11% (its idle
+    # share would be 33%), and 1->0, which only has to finish with it, less
+    # than its idle share. Each rank is authoritative for its own flow.
+    f01, f10 = flows
+    assert 0.06 < d0.out_bytes(f01) / f01.nbytes < 0.16
+    assert d1.out_bytes(f10) / f10.nbytes < 0.33
+    with pytest.raises(ValueError, match="bad entry"):  # a path from a rank to itself
+        ctls[1].merge_estimates(0, blobs[1])
+
+
 def test_engine_pattern_without_rank_learns_its_own_paths():
     # An engine that decides only its own sends and reports completions
     # without naming itself: the controller takes its rank from the flows.
@@ -583,8 +632,8 @@ def test_export_reuses_recent_entries_until_a_rate_steps_or_flags_change():
     assert est.regime_changes(0) > regime
     stepped = ctl.export_estimates(t, epoch)
     assert stepped != blob
-    ctl.merge_estimates(1, stepped)
-    view = ctl.estimator.measured(1)
+    ctl.merge_estimates(2, stepped)  # as if rank 2 had measured its path to rank 1
+    view = ctl.estimator.measured(2)
     assert view[("up", 1)].rate_Bps < 3e9
     # No sample since: the same blob for as long as the estimator's age window
     # allows (settled operations give no feedback), then rebuilt.

@@ -190,9 +190,20 @@ class _RankState:
         }
 
 
-# Blob: header (version, dropped-plane bits, entry count), then per (plane, peer)
-# one entry (plane index, peer, rate B/s, fixed delay s) = 13 bytes.
-_BLOB_VERSION = 1
+# Blob: header (version, dropped-plane bits, entry count), then per path the
+# exporting rank measured one entry (plane index, peer, rate B/s, fixed delay
+# s) = 13 bytes. The plane byte's top bit says the path runs from the peer to
+# the exporter (measured at the receiver, what the engine reports); without it
+# the path runs from the exporter to the peer (a sender's own completions).
+_BLOB_VERSION = 2
+_INCOMING = 0x80
+
+
+def _entry(reporter: int, path: tuple[int, str, int], rate: float, lat: float) -> bytes:
+    src, plane, dst = path
+    if dst == reporter:
+        return _ENTRY.pack(PLANES.index(plane) | _INCOMING, src, rate, lat)
+    return _ENTRY.pack(PLANES.index(plane), dst, rate, lat)
 _HDR = struct.Struct("<BBH")
 _ENTRY = struct.Struct("<BIff")
 # While 'out' may not carry bytes (controller.may_use), an export reuses the
@@ -578,6 +589,16 @@ class PathController:
         """One chunk completion seen at a plane's window (``src`` defaults to this rank)."""
         self.estimator.observe(self.rank if src is None else src, plane, peer, nbytes, t_post, t_done)
 
+    def on_delivery(self, plane: str, sender: int, nbytes: int, t_start: float, t_last: float) -> None:
+        """Bytes from ``sender`` that arrived here over ``plane`` between
+        ``t_start`` and ``t_last``: a sample of the path sender -> this rank.
+        Filed under the sender's path and exported for it: a rank that filed
+        what it received under its own path *to* the peer took links as
+        symmetric, and under load in one direction the two ranks of a pair
+        split on each other's numbers (one cut its unloaded link, the other
+        kept 31% of its bytes on the loaded one)."""
+        self.estimator.observe(sender, plane, self.rank, nbytes, t_start, t_last, port=self.rank)
+
     def on_stage(self, decision: StageDecision, t_start: float, t_end: float,
                  bytes_by_plane: Mapping[str, int], rank: Optional[int] = None) -> None:
         """Realised time of one stage on one rank: the evidence for dropping a plane."""
@@ -852,15 +873,14 @@ class PathController:
                 and (self._exports - cached[0] < EXPORT_REUSE_CALLS
                      or self._unchanged_since(cached, now))):
             return cached[3]
-        entries = self.estimator.local_entries(self.rank, now)
-        body = b"".join(_ENTRY.pack(PLANES.index(p), peer, rate, lat)
-                        for (p, peer), (rate, lat) in sorted(entries.items()))
+        entries = self.estimator.reported(self.rank, now)
+        body = b"".join(_entry(self.rank, path, rate, lat) for path, (rate, lat) in sorted(entries.items()))
         blob = bytes([_BLOB_VERSION]) + _HDR.pack(flags, 0, len(entries)) + body
         if self.config.decide_from_exported_view:
             self.merge_estimates(self.rank, blob)
         self._export_cache = (self._exports, flags, regime, blob, self.estimator.samples_seen, now) if entries else None
         # What settled() sizes operations with (estimator.plane() builds a view: 5 us a call).
-        self._exported_up_rate = max((rate for (p, _), (rate, _) in entries.items() if p == "up"), default=None)
+        self._exported_up_rate = max((rate for (_, p, _), (rate, _) in entries.items() if p == "up"), default=None)
         return blob
 
     def _unchanged_since(self, cached: tuple, now: Optional[float]) -> bool:
@@ -875,7 +895,7 @@ class PathController:
     @staticmethod
     def blob_capacity(npeers: int) -> int:
         """The most bytes export_estimates() writes for a rank with ``npeers`` peers."""
-        return 1 + _HDR.size + _ENTRY.size * len(PLANES) * max(1, npeers)
+        return 1 + _HDR.size + _ENTRY.size * 2 * len(PLANES) * max(1, npeers)  # both directions
 
     @staticmethod
     def blob_length(buf: bytes) -> int:
@@ -901,10 +921,12 @@ class PathController:
                 raise ValueError("length does not match entry count")
             entries = {}
             for i in range(count):
-                plane_idx, peer, rate, lat = _ENTRY.unpack_from(blob, off + i * _ENTRY.size)
-                if plane_idx >= len(PLANES) or not rate > 0 or not lat >= 0:
+                plane_byte, peer, rate, lat = _ENTRY.unpack_from(blob, off + i * _ENTRY.size)
+                plane_idx = plane_byte & ~_INCOMING
+                if plane_idx >= len(PLANES) or peer == rank or not rate > 0 or not lat >= 0:
                     raise ValueError(f"bad entry {i}")
-                entries[(PLANES[plane_idx], peer)] = (float(rate), float(lat))
+                src, dst = (peer, rank) if plane_byte & _INCOMING else (rank, peer)
+                entries[(src, PLANES[plane_idx], dst)] = (float(rate), float(lat))
         except struct.error as exc:
             raise ValueError(f"estimate blob from rank {rank}: {exc}") from None
         self.estimator.set_remote(rank, entries)

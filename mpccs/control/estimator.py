@@ -307,12 +307,17 @@ class _Fresh:
 
 
 class Estimator:
-    """All paths a controller knows about: measured here, merged from peers, or prior.
+    """All paths a controller knows about: measured here, reported by peers, or prior.
 
-    Keyed by (src, plane, peer): ``src`` is the sending rank. A controller
-    embedded in one rank only measures its own sends; the other ranks'
-    estimates arrive as blobs (``set_remote``) and take precedence for that
-    rank, so every rank decides from the same numbers.
+    Keyed by (src, plane, dst): ``src`` is the sending rank. Each path is
+    measured at one rank, its *port*: the receiver for delivery samples
+    (``observe(..., port=dst)``, what the engine reports), the sender for
+    completions of its own sends (the simulator's view). Ranks export what
+    they measured (``reported``) and the blobs arrive here through
+    ``set_remote``; a reporter's blob takes precedence over what this
+    estimator measured at that reporter's port, so every rank decides from
+    the same numbers. Where a path is reported by both of its ends the
+    receiver's report wins: it saw the bytes arrive.
     """
 
     def __init__(self, prior_rate_Bps: Mapping[str, float], prior_latency_s: Mapping[str, float],
@@ -321,28 +326,40 @@ class Estimator:
         self.prior_rate_Bps = dict(prior_rate_Bps)
         self.prior_latency_s = dict(prior_latency_s)
         self._params = (max_samples, max_age_s, drop_ratio, drop_samples, round_samples)
-        self._paths: dict[int, dict[tuple[str, int], PathEstimator]] = {}   # src -> (plane, peer) -> path
+        self._paths: dict[int, dict[tuple[str, int], PathEstimator]] = {}   # src -> (plane, dst) -> path
+        self._ports: dict[int, list[tuple[int, str, int]]] = {}  # port -> the (src, plane, dst) measured there
+        self._port_of: dict[tuple[int, str, int], int] = {}
         self._last_done: dict[tuple[int, str], float] = {}
-        self._remote: dict[int, dict[tuple[str, int], tuple[float, float]]] = {}
+        self._remote: dict[int, dict[tuple[int, str, int], tuple[float, float]]] = {}  # reporter -> its paths
+        self._remote_by_src: Optional[dict[int, dict[tuple[str, int], tuple[float, float]]]] = None
         self.samples_seen = 0  # observations so far: unchanged means every local estimate is as it was (but for age)
 
     # -- observations ---------------------------------------------------
-    def observe(self, src: int, plane: str, peer: int, nbytes: int, t_post: float, t_done: float) -> None:
+    def observe(self, src: int, plane: str, peer: int, nbytes: int, t_post: float, t_done: float,
+                port: Optional[int] = None) -> None:
+        """One sample of the path ``src`` -> ``peer``, seen at rank ``port``
+        (default ``src``: a sender's own completion). ``t_post`` counts as an
+        idle start unless the port's previous completion on the plane came
+        later."""
         if plane not in PLANES:
             raise ValueError(f"unknown plane {plane!r}")
+        port = src if port is None else port
         self.samples_seen += 1
         paths = self._paths.setdefault(src, {})
         path = paths.get((plane, peer))
         if path is None:
             path = paths[(plane, peer)] = PathEstimator(*self._params,
                                                         prior_latency_s=float(self.prior_latency_s[plane]))
-        prev = self._last_done.get((src, plane))
+            self._ports.setdefault(port, []).append((src, plane, peer))
+            self._port_of[(src, plane, peer)] = port
+        prev = self._last_done.get((port, plane))
         path.add(nbytes, t_post, t_done, prev)
-        self._last_done[(src, plane)] = t_done if prev is None else max(prev, t_done)
+        self._last_done[(port, plane)] = t_done if prev is None else max(prev, t_done)
 
-    def set_remote(self, src: int, entries: Mapping[tuple[str, int], tuple[float, float]]) -> None:
-        """Estimates of rank ``src`` as it exported them: (plane, peer) -> (rate, latency)."""
-        self._remote[src] = dict(entries)
+    def set_remote(self, reporter: int, entries: Mapping[tuple[int, str, int], tuple[float, float]]) -> None:
+        """What rank ``reporter`` measured, as it exported it: (src, plane, dst) -> (rate, latency)."""
+        self._remote[reporter] = dict(entries)
+        self._remote_by_src = None
 
     # -- queries -----------------------------------------------------------
     def prior(self, plane: str, chunk_bytes: int = 0) -> PathEstimate:
@@ -350,17 +367,30 @@ class Estimator:
         lat = float(self.prior_latency_s[plane])
         return PathEstimate(rate, lat, lat + chunk_bytes / rate, 0, False)
 
+    def _reports(self) -> dict[int, dict[tuple[str, int], tuple[float, float]]]:
+        """Every reported path by sender; the receiver's report where both ends sent one."""
+        if self._remote_by_src is None:
+            index: dict[int, dict[tuple[str, int], tuple[float, float]]] = {}
+            for reporter in sorted(self._remote):
+                for (src, plane, dst), value in self._remote[reporter].items():
+                    held = index.setdefault(src, {})
+                    if (plane, dst) not in held or reporter == dst:
+                        held[(plane, dst)] = value
+            self._remote_by_src = index
+        return self._remote_by_src
+
     def measured(self, src: int, now: Optional[float] = None,
                  chunk_bytes: int = 0) -> dict[tuple[str, int], PathEstimate]:
-        """Every measured (plane, peer) of ``src``: remote view if any, else local."""
-        if src in self._remote:
-            return {k: PathEstimate(rate, lat, lat + chunk_bytes / rate, 1, True)
-                    for k, (rate, lat) in self._remote[src].items()}
+        """Every measured (plane, dst) of ``src``: as reported, else as measured here."""
         out = {}
-        for key, path in self._paths.get(src, {}).items():
+        for (plane, dst), path in self._paths.get(src, {}).items():
+            if self._port_of[(src, plane, dst)] in self._remote:
+                continue  # that port's own report stands for it
             est = path.estimate(now)
             if est is not None:
-                out[key] = est
+                out[(plane, dst)] = est
+        for key, (rate, lat) in self._reports().get(src, {}).items():
+            out[key] = PathEstimate(rate, lat, lat + chunk_bytes / rate, 1, True)
         return out
 
     def view(self, now: Optional[float] = None, chunk_bytes: int = 0) -> "EstimateView":
@@ -376,32 +406,30 @@ class Estimator:
         """One path; a peer never measured inherits its plane's port estimate."""
         return self.view(now, chunk_bytes).path(src, plane, peer)
 
-    def local_entries(self, src: int, now: Optional[float] = None) -> dict[tuple[str, int], tuple[float, float]]:
-        """What ``src`` measured itself, for export: (plane, peer) -> (rate, latency)."""
+    def reported(self, port: int, now: Optional[float] = None) -> dict[tuple[int, str, int], tuple[float, float]]:
+        """What was measured at rank ``port``, for export: (src, plane, dst) -> (rate, latency)."""
         out = {}
-        for key, path in self._paths.get(src, {}).items():
-            est = path.estimate(now)
+        for src, plane, dst in self._ports.get(port, ()):
+            est = self._paths[src][(plane, dst)].estimate(now)
             if est is not None:
-                out[key] = (est.rate_Bps, est.latency_s)
+                out[(src, plane, dst)] = (est.rate_Bps, est.latency_s)
         return out
 
     def srcs(self) -> set[int]:
-        return set(self._paths) | set(self._remote)
+        return set(self._paths) | set(self._reports())
 
-    def step_downs(self, src: int, plane: str) -> int:
-        return sum(p.step_downs for (pl, _), p in self._paths.get(src, {}).items() if pl == plane)
-
-    def regime_changes(self, src: int) -> int:
-        """Step changes (down or up) seen on any plane of ``src``."""
-        return sum(p.regime_changes for p in self._paths.get(src, {}).values())
+    def regime_changes(self, port: int) -> int:
+        """Step changes (down or up) seen on any path measured at ``port``."""
+        return sum(self._paths[src][(plane, dst)].regime_changes for src, plane, dst in self._ports.get(port, ()))
 
     def snapshot(self, now: Optional[float] = None) -> dict:
+        reports = self._reports()
         out: dict = {}
         for src in sorted(self.srcs()):
-            view = "remote" if src in self._remote else "local"
             out[str(src)] = {
-                "view": view,
-                "paths": {f"{p}:{peer}": e.to_json() for (p, peer), e in sorted(self.measured(src, now).items())},
+                "paths": {f"{p}:{peer}": dict(e.to_json(), view="reported" if (p, peer) in reports.get(src, {})
+                                              else "local")
+                          for (p, peer), e in sorted(self.measured(src, now).items())},
             }
         return out
 
