@@ -580,7 +580,7 @@ class CollectiveOp(Operation):
         """Send ours to, and expect theirs from, every peer this rank exchanges data with.
 
         Under 'adaptive' the message also carries this rank's path estimates
-        (the controller's export, 13 bytes per plane and peer): piggybacked on
+        (the controller's export, 14 bytes per path it measured): piggybacked on
         a message every operation sends anyway, one operation behind, so every
         rank decides from the same numbers without an extra round trip.
         """

@@ -440,7 +440,7 @@ def test_export_merge_gives_every_rank_the_same_decision():
     assert d0.out_bytes(flows[1]) < d0.out_bytes(flows[0])
     assert d1.out_bytes(flows[1]) < d1.out_bytes(flows[0])
     for b in blobs:
-        assert len(b) < 256 * 1  # one peer per rank here; 13 bytes per (plane, peer) + 5
+        assert len(b) < 256 * 1  # one peer per rank here; 14 bytes per path + 5
     with pytest.raises(ValueError):
         ctls[0].merge_estimates(1, b"\x07garbage")
     with pytest.raises(ValueError):
@@ -494,6 +494,43 @@ def test_asymmetric_links_are_learnt_from_the_receiver_and_agreed():
     assert d1.out_bytes(f10) / f10.nbytes < 0.33
     with pytest.raises(ValueError, match="bad entry"):  # a path from a rank to itself
         ctls[1].merge_estimates(0, blobs[1])
+
+
+def test_load_on_one_direction_is_followed_within_two_operations_without_a_drop():
+    # Rank 0's outgoing 'out' link loses three quarters of its rate at
+    # operation 10 and gets it back at 20 (the matrix's background flow).
+    # Only rank 1 sees the step (it receives on that link); through its
+    # exported estimate and regime count rank 0 re-plans within two
+    # operations. Before, rank 0's stages planned from stale numbers were
+    # read as harm and 'out' was dropped until the next probe (8 operations).
+    planes = SyntheticPlanes.uniform([0, 1], SyntheticLink(10e9, 10e-6), SyntheticLink(5e9, 30e-6), seed=4,
+                                     links={(0, "out", 1): SyntheticLink(5e9, 30e-6)})
+    flows = ring_flows(2, 32 * MiB)
+    ctls = [PathController(ControlConfig(), rank=r) for r in range(2)]
+    now, shares, events = 0.0, [], []
+    for op in range(30):
+        planes.links[(0, "out", 1)].rate_Bps = 1.25e9 if 10 <= op < 20 else 5e9
+        for _ in range(2):  # reduce-scatter and all-gather stage
+            d0, d1 = (c.decide(flows, now) for c in ctls)
+            d = StageDecision({0: d0.up_bytes[0], 1: d1.up_bytes[1]}, d0.window_bytes, True,
+                              {0: d0.out_cap_bytes[0], 1: d1.out_cap_bytes[1]}, {})
+            res = planes.run_stage(d, flows, now, 512 * KiB)
+            deliver(ctls, res)
+            for src, t_end in res.t_end_by_src.items():
+                ctls[src].on_stage(d0 if src == 0 else d1, now, t_end, res.bytes_by_src[src])
+            now = res.t_end + 1e-4
+        blobs = [c.export_estimates(now) for c in ctls]
+        for c in ctls:
+            events += c.take_events()
+            for r, b in enumerate(blobs):
+                if r != c.rank:
+                    c.merge_estimates(r, b)
+        shares.append(d0.out_bytes(flows[0]) / flows[0].nbytes)
+    idle, loaded = 5 / 15, 1.25 / 11.25  # best shares of flow 0->1 on 'out'
+    assert all(abs(x - idle) < 0.05 for x in shares[4:10]), shares
+    assert all(abs(x - loaded) < 0.05 for x in shares[12:20]), shares
+    assert all(abs(x - idle) < 0.05 for x in shares[22:]), shares
+    assert not [e for e in events if e["event"] == "drop" and e["decision"] > 8], events
 
 
 def test_engine_pattern_without_rank_learns_its_own_paths():

@@ -191,21 +191,21 @@ class _RankState:
 
 
 # Blob: header (version, dropped-plane bits, entry count), then per path the
-# exporting rank measured one entry (plane index, peer, rate B/s, fixed delay
-# s) = 13 bytes. The plane byte's top bit says the path runs from the peer to
+# exporting rank measured one entry (plane index, peer, the path's regime
+# count modulo 256, rate B/s, fixed delay s) = 14 bytes. The plane byte's top bit says the path runs from the peer to
 # the exporter (measured at the receiver, what the engine reports); without it
 # the path runs from the exporter to the peer (a sender's own completions).
 _BLOB_VERSION = 2
 _INCOMING = 0x80
 
 
-def _entry(reporter: int, path: tuple[int, str, int], rate: float, lat: float) -> bytes:
+def _entry(reporter: int, path: tuple[int, str, int], rate: float, lat: float, regime: int) -> bytes:
     src, plane, dst = path
     if dst == reporter:
-        return _ENTRY.pack(PLANES.index(plane) | _INCOMING, src, rate, lat)
-    return _ENTRY.pack(PLANES.index(plane), dst, rate, lat)
+        return _ENTRY.pack(PLANES.index(plane) | _INCOMING, src, regime, rate, lat)
+    return _ENTRY.pack(PLANES.index(plane), dst, regime, rate, lat)
 _HDR = struct.Struct("<BBH")
-_ENTRY = struct.Struct("<BIff")
+_ENTRY = struct.Struct("<BIBff")
 # While 'out' may not carry bytes (controller.may_use), an export reuses the
 # previous one's entries for this many calls unless a plane's rate stepped (the
 # estimator's regime count moved) or the dropped flags changed: computing them
@@ -678,6 +678,16 @@ class PathController:
         cfg = self.config
         if not info["settled"] or not info["measured"] or info["pred_s"] <= 0:
             return
+        regime = self.estimator.regime_changes(src)
+        if regime != st.regime_at_joint:
+            # A path into or out of this rank stepped and the estimates have
+            # followed: older joint stages describe other planes, and stages
+            # mispredicted before it were planned from stale numbers (under a
+            # background flow starting, three of them dropped 'out' before
+            # the step's report arrived).
+            st.joint.clear()
+            st.mispredicted = 0
+            st.regime_at_joint = regime
         error = duration / info["pred_s"] - 1.0
         if abs(error) > cfg.accuracy_band:
             # Only stages persistently *slower* than predicted count toward judging anyway.
@@ -689,10 +699,6 @@ class PathController:
             # measured while the other paused). Judge by realised times instead.
         else:
             st.mispredicted = 0
-        regime = self.estimator.regime_changes(src)
-        if regime != st.regime_at_joint:
-            st.joint.clear()  # a plane changed rate: older joint stages describe other planes
-            st.regime_at_joint = regime
         st.joint.append((nbytes, duration))
         solo_planes = info["solo_planes"]
         best = self._best_solo(st, nbytes, latency, solo_planes)
@@ -853,7 +859,7 @@ class PathController:
 
     # ------------------------------------------------------------ estimates I/O
     def export_estimates(self, now: Optional[float] = None, epoch: Optional[int] = None) -> bytes:
-        """This rank's measured estimates, to piggyback on its chunks (13 B per plane and peer).
+        """This rank's measured estimates, to piggyback on its chunks (14 B per path).
 
         The entries of the previous export are reused (EXPORT_REUSE_CALLS)
         only for an operation ``epoch`` in which 'out' may not carry bytes
@@ -866,7 +872,7 @@ class PathController:
             if st is not None and plane in st.dropped:
                 flags |= 1 << i
         self._exports += 1
-        regime = self.estimator.regime_changes(self.rank)
+        regime = self.estimator.local_regime_changes(self.rank)
         cached = self._export_cache
         if (cached is not None and cached[1:3] == (flags, regime)
                 and epoch is not None and not self.may_use("out", epoch)
@@ -874,13 +880,13 @@ class PathController:
                      or self._unchanged_since(cached, now))):
             return cached[3]
         entries = self.estimator.reported(self.rank, now)
-        body = b"".join(_entry(self.rank, path, rate, lat) for path, (rate, lat) in sorted(entries.items()))
+        body = b"".join(_entry(self.rank, path, *value) for path, value in sorted(entries.items()))
         blob = bytes([_BLOB_VERSION]) + _HDR.pack(flags, 0, len(entries)) + body
         if self.config.decide_from_exported_view:
             self.merge_estimates(self.rank, blob)
         self._export_cache = (self._exports, flags, regime, blob, self.estimator.samples_seen, now) if entries else None
         # What settled() sizes operations with (estimator.plane() builds a view: 5 us a call).
-        self._exported_up_rate = max((rate for (_, p, _), (rate, _) in entries.items() if p == "up"), default=None)
+        self._exported_up_rate = max((v[0] for (_, p, _), v in entries.items() if p == "up"), default=None)
         return blob
 
     def _unchanged_since(self, cached: tuple, now: Optional[float]) -> bool:
@@ -921,12 +927,12 @@ class PathController:
                 raise ValueError("length does not match entry count")
             entries = {}
             for i in range(count):
-                plane_byte, peer, rate, lat = _ENTRY.unpack_from(blob, off + i * _ENTRY.size)
+                plane_byte, peer, regime, rate, lat = _ENTRY.unpack_from(blob, off + i * _ENTRY.size)
                 plane_idx = plane_byte & ~_INCOMING
                 if plane_idx >= len(PLANES) or peer == rank or not rate > 0 or not lat >= 0:
                     raise ValueError(f"bad entry {i}")
                 src, dst = (peer, rank) if plane_byte & _INCOMING else (rank, peer)
-                entries[(src, PLANES[plane_idx], dst)] = (float(rate), float(lat))
+                entries[(src, PLANES[plane_idx], dst)] = (float(rate), float(lat), regime)
         except struct.error as exc:
             raise ValueError(f"estimate blob from rank {rank}: {exc}") from None
         self.estimator.set_remote(rank, entries)

@@ -39,6 +39,7 @@ honest rounds reach under +-10 % noise (0.9 / 1.1 = 0.82).
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional
@@ -46,6 +47,15 @@ from typing import Iterable, Mapping, Optional
 PLANES = ("up", "out")
 IDLE_RATE_SAMPLES = 5  # idle-start samples whose median rate is the estimate (see _fit_idle_only)
 STALE_ROUNDS = 2  # rounds that stand in when none is fresh (see PathEstimator._snapshot)
+
+IDLE_STEP_SAMPLES = 2  # idle-start samples all beyond drop_ratio of the older median: a step (see _idle_step)
+
+
+def _idle_rate(sample: tuple, delay_s: float) -> float:
+    """Rate of one idle-start sample (t_done, latency, nbytes) with ``delay_s`` removed."""
+    _, lat, n = sample
+    return n / max(lat - delay_s, 0.1 * lat)
+
 
 # Rates and delays below these are treated as "nothing measured" (a clock that
 # did not move, a zero-byte chunk) rather than as a plane of zero capacity.
@@ -114,6 +124,7 @@ class PathEstimator:
         self._delays.append((t_done, latency, nbytes))
         if idle_start:
             self._clean_delays.append((t_done, latency, nbytes))
+            self._idle_step()
         start = t_post if prev_done is None else max(t_post, prev_done)
         elapsed = t_done - start
         if elapsed <= _MIN_ELAPSED_S:
@@ -131,6 +142,31 @@ class PathEstimator:
             self._rounds.append((t_done, p[0] / p[1]))
             self._pending = [0, 0.0, 0, 0.0]
             self._forget_after_step_down()
+
+    def _idle_step(self) -> None:
+        """A step in the idle-start samples (the engine's per-stage delivery
+        samples): the last IDLE_STEP_SAMPLES all beyond ``drop_ratio`` of the
+        median of the five before them, either way, their rates taken with
+        the prior delay removed (sizes differ: a stolen part is smaller). The
+        older samples are forgotten, so the rate follows at once instead of
+        after the median's three samples, and the step counts as a regime
+        change: the judge gives the new estimates a chance before it reads
+        slow stages as harm, and peers learn of it from the exported count."""
+        clean = list(self._clean_delays)
+        if len(clean) < IDLE_STEP_SAMPLES + 3:
+            return
+        a = self.prior_latency_s
+        recent, older = clean[-IDLE_STEP_SAMPLES:], clean[-IDLE_STEP_SAMPLES - IDLE_RATE_SAMPLES:-IDLE_STEP_SAMPLES]
+        ref = statistics.median(_idle_rate(x, a) for x in older)
+        rates = [_idle_rate(x, a) for x in recent]
+        if max(rates) < self.drop_ratio * ref:
+            self.step_downs += 1
+        elif min(rates) * self.drop_ratio > ref:
+            self.step_ups += 1
+        else:
+            return
+        self._clean_delays.clear()
+        self._clean_delays.extend(recent)
 
     def _forget_after_step_down(self) -> None:
         rounds = list(self._rounds)
@@ -330,7 +366,7 @@ class Estimator:
         self._ports: dict[int, list[tuple[int, str, int]]] = {}  # port -> the (src, plane, dst) measured there
         self._port_of: dict[tuple[int, str, int], int] = {}
         self._last_done: dict[tuple[int, str], float] = {}
-        self._remote: dict[int, dict[tuple[int, str, int], tuple[float, float]]] = {}  # reporter -> its paths
+        self._remote: dict[int, dict[tuple[int, str, int], tuple[float, float, int]]] = {}  # reporter -> its paths
         self._remote_by_src: Optional[dict[int, dict[tuple[str, int], tuple[float, float]]]] = None
         self.samples_seen = 0  # observations so far: unchanged means every local estimate is as it was (but for age)
 
@@ -356,8 +392,9 @@ class Estimator:
         path.add(nbytes, t_post, t_done, prev)
         self._last_done[(port, plane)] = t_done if prev is None else max(prev, t_done)
 
-    def set_remote(self, reporter: int, entries: Mapping[tuple[int, str, int], tuple[float, float]]) -> None:
-        """What rank ``reporter`` measured, as it exported it: (src, plane, dst) -> (rate, latency)."""
+    def set_remote(self, reporter: int, entries: Mapping[tuple[int, str, int], tuple[float, float, int]]) -> None:
+        """What rank ``reporter`` measured, as it exported it: (src, plane, dst) ->
+        (rate, latency, the path's regime count there, modulo 256)."""
         self._remote[reporter] = dict(entries)
         self._remote_by_src = None
 
@@ -367,10 +404,10 @@ class Estimator:
         lat = float(self.prior_latency_s[plane])
         return PathEstimate(rate, lat, lat + chunk_bytes / rate, 0, False)
 
-    def _reports(self) -> dict[int, dict[tuple[str, int], tuple[float, float]]]:
+    def _reports(self) -> dict[int, dict[tuple[str, int], tuple[float, float, int]]]:
         """Every reported path by sender; the receiver's report where both ends sent one."""
         if self._remote_by_src is None:
-            index: dict[int, dict[tuple[str, int], tuple[float, float]]] = {}
+            index: dict[int, dict[tuple[str, int], tuple[float, float, int]]] = {}
             for reporter in sorted(self._remote):
                 for (src, plane, dst), value in self._remote[reporter].items():
                     held = index.setdefault(src, {})
@@ -389,7 +426,7 @@ class Estimator:
             est = path.estimate(now)
             if est is not None:
                 out[(plane, dst)] = est
-        for key, (rate, lat) in self._reports().get(src, {}).items():
+        for key, (rate, lat, _) in self._reports().get(src, {}).items():
             out[key] = PathEstimate(rate, lat, lat + chunk_bytes / rate, 1, True)
         return out
 
@@ -406,21 +443,31 @@ class Estimator:
         """One path; a peer never measured inherits its plane's port estimate."""
         return self.view(now, chunk_bytes).path(src, plane, peer)
 
-    def reported(self, port: int, now: Optional[float] = None) -> dict[tuple[int, str, int], tuple[float, float]]:
-        """What was measured at rank ``port``, for export: (src, plane, dst) -> (rate, latency)."""
+    def reported(self, port: int, now: Optional[float] = None) -> dict[tuple[int, str, int], tuple[float, float, int]]:
+        """What was measured at rank ``port``, for export: (src, plane, dst) ->
+        (rate, latency, regime count modulo 256)."""
         out = {}
         for src, plane, dst in self._ports.get(port, ()):
-            est = self._paths[src][(plane, dst)].estimate(now)
+            path = self._paths[src][(plane, dst)]
+            est = path.estimate(now)
             if est is not None:
-                out[(src, plane, dst)] = (est.rate_Bps, est.latency_s)
+                out[(src, plane, dst)] = (est.rate_Bps, est.latency_s, path.regime_changes % 256)
         return out
 
     def srcs(self) -> set[int]:
         return set(self._paths) | set(self._reports())
 
-    def regime_changes(self, port: int) -> int:
+    def local_regime_changes(self, port: int) -> int:
         """Step changes (down or up) seen on any path measured at ``port``."""
         return sum(self._paths[src][(plane, dst)].regime_changes for src, plane, dst in self._ports.get(port, ()))
+
+    def regime_changes(self, rank: int) -> int:
+        """A count that moves whenever a path into or out of ``rank`` stepped:
+        those measured at ``rank`` and, as their receivers report them, those
+        it sends on (measured elsewhere: a stage that slowed because its
+        outgoing link did is new information here only through the report)."""
+        reported = sum(regime for (_, _, regime) in self._reports().get(rank, {}).values())
+        return self.local_regime_changes(rank) + reported
 
     def snapshot(self, now: Optional[float] = None) -> dict:
         reports = self._reports()
