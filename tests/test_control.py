@@ -249,7 +249,7 @@ def shared_cores():
 
 def test_harmful_second_plane_dropped_then_reprobed_back():
     cfg, drv, flows = shared_cores()
-    for _ in range(6):
+    for _ in range(8):  # judged joint stages, then a check and the drop
         drv.step(flows)
     solo_s = flows[0].nbytes / 6.4e9
     regular = []
