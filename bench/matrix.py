@@ -576,6 +576,22 @@ def converge(shares: list[float], times: list[float], t_change: float) -> dict:
     return res
 
 
+def near_model(shares: list[float], model: float) -> dict:
+    """The 5-operation rolling mean against the model share: the first operation
+    at which it is within TOLERANCE and the fraction of operations inside.
+
+    A realised share moves in whole chunks (1/16 of a stage at 16 MiB, 6.25
+    points, and stealing moves chunks at run time), so single operations and
+    rolling medians wander outside a 5-point band around any final value; the
+    mean over five operations is what a fixed fraction would deliver."""
+    if not shares:
+        return {"first_ops": None, "inside": None}
+    arr = np.asarray(shares, dtype=float)
+    roll = np.array([arr[max(0, j - 4):j + 1].mean() for j in range(len(arr))])
+    inside = np.abs(roll - model) <= TOLERANCE
+    return {"first_ops": int(np.argmax(inside)) if inside.any() else None, "inside": float(inside.mean())}
+
+
 def model_share(label: str, env: dict, policy: str, rank: int) -> float:
     """The share on 'up' that makes a rank's two planes finish together (rates as shaped), within the cap.
 
@@ -637,11 +653,12 @@ def analyse_series(raw: str, name: str) -> dict | None:
             seg = [(a, s, d) for a, s, d, _ in ops[rank] if lo <= a < hi]
             shares = [s for _, s, _ in seg]
             times = [a for a, _, _ in seg]
+            model = model_share(label, run.get("env") or {}, run["policy"], rank)
             segs.append({"rank": rank, "after": label, "t_change": lo - t0, "ops": len(seg),
                          "mean_share": float(np.mean(shares)) if shares else None,
                          "median_op_ms": float(np.median([d for _, _, d in seg])) * 1e3 if seg else None,
                          "max_op_ms": float(np.max([d for _, _, d in seg])) * 1e3 if seg else None,
-                         "model_share": model_share(label, run.get("env") or {}, run["policy"], rank),
+                         "model_share": model, "near_model": near_model(shares, model),
                          "convergence": converge(shares, times, lo)})
     out["segments"] = segs
     # Do the ranks split together? An all_reduce stage ends with its slowest rank, so a split (or a
@@ -776,7 +793,10 @@ def render(cells: list, series: dict, meta: dict, versions: dict) -> str:
           "its own split). An operation belongs to the segment in which it started. Final = median share "
           "of the segment's last quarter (>= 5 operations). Strict convergence: operations (and seconds from the "
           "change to the start of that operation) until every later operation of the segment stays within 5 points "
-          "of the final share; rolling: the same on a 5-operation rolling median (single probes ignored). "
+          "of the final share; rolling: the same on a 5-operation rolling median (single probes ignored); "
+          "near model: the first operation at which the 5-operation rolling mean is within 5 points of the model "
+          "share, and the fraction of the segment's operations where it is (a realised share moves in whole "
+          "chunks, 6.25 points at 16 MiB, so single operations leave any 5-point band). "
           f"Model share (both planes of a rank finish together at the shaped rates): idle {UP_BPS / (UP_BPS + OUT_BPS):.2f}; "
           f"with the background, which takes half of rank 0's scale-out downlink, rank 1 (whose 'out' bytes cross "
           f"it) {UP_BPS / (UP_BPS + OUT_BPS - BG_BPS):.2f} and rank 0 unchanged {UP_BPS / (UP_BPS + OUT_BPS):.2f} "
@@ -792,8 +812,9 @@ def render(cells: list, series: dict, meta: dict, versions: dict) -> str:
                   f"{'correct' if v['correct_last'] else 'WRONG'}, CPU {v['cpu_ms_per_op']:.1f} ms/op"
                   for r, v in (s.get("rank_summary") or {}).items()) + ".", "",
               "| rank | segment (after) | at t (s) | operations | model share | mean share up | final share | "
-              "median op (ms) | longest op (ms) | strict: ops / s | rolling: ops / s | outliers after rolling convergence |",
-              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|"]
+              "median op (ms) | longest op (ms) | strict: ops / s | rolling: ops / s | outliers after rolling convergence "
+              "| near model: first op (inside) |",
+              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---|"]
         for seg in s["segments"]:
             cv = seg["convergence"]
 
@@ -808,7 +829,8 @@ def render(cells: list, series: dict, meta: dict, versions: dict) -> str:
                      f"{num(seg.get('model_share'), '.2f')} | "
                      f"{num(seg['mean_share'], '.2f')} | {num(cv.get('final'), '.2f')} | {num(seg['median_op_ms'], '.0f')} | "
                      f"{num(seg.get('max_op_ms'), '.0f')} | "
-                     f"{f2(cv.get('strict'))} | {f2(cv.get('rolling5'))} | {cv.get('late_outliers', '-')} |")
+                     f"{f2(cv.get('strict'))} | {f2(cv.get('rolling5'))} | {cv.get('late_outliers', '-')} | "
+                     f"{near_cell(seg.get('near_model'))} |")
         co = s.get("coordination")
         if co:
             L += ["", "Operations by whether the ranks split together (share on `up` < 0.95), with the operation's "
@@ -959,15 +981,25 @@ def verdict_text(cells: list, series: dict) -> str:
 
             def when(d):
                 return f"{d.get('ops')} ops / " + ("never" if d.get("s") is None else f"{d['s']:.1f} s")
+            nm = seg.get("near_model") or {}
+            near = ("never" if nm.get("first_ops") is None else
+                    f"after {nm['first_ops']} ops ({nm['inside']:.0%} of the segment inside)")
             parts.append(f"rank {seg['rank']}: after {seg['after']} the share ends at {fin:.2f} "
                          f"(model {seg['model_share']:.2f}; mean {seg['mean_share']:.2f}), within 5 points after "
-                         f"{when(cv)} (rolling), {when(st)} (strict)")
+                         f"{when(cv)} (rolling), {when(st)} (strict); 5-op mean within 5 points of the model "
+                         f"{near}")
         out.append(f"- **time series, {name}**: " + "; ".join(parts) + ".")
     bg = dict((label, rate) for label, rate, _ in background_rows(series, cells))
     if bg:
         out.append("- **background flow**: " + ", ".join(f"{k} {v * 8 / 1e6:.0f} Mbit/s" for k, v in bg.items())
                    + f" (asked {BG_BPS / 1e6:.0f}).")
     return "\n".join(out)
+
+
+def near_cell(nm) -> str:
+    if not nm or nm.get("first_ops") is None:
+        return "never" if nm else "-"
+    return f"{nm['first_ops']} ({nm['inside']:.0%})"
 
 
 def problems(cells, series, meta) -> list[str]:

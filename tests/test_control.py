@@ -533,6 +533,24 @@ def test_load_on_one_direction_is_followed_within_two_operations_without_a_drop(
     assert not [e for e in events if e["event"] == "drop" and e["decision"] > 8], events
 
 
+def test_solo_record_is_bounded_by_the_planes_delivery_rate():
+    # Over tcp a rank's solo stage can end before its bytes are on the wire
+    # (the socket buffers took them; a peer that split gated the stage): 8 MiB
+    # "in 45 ms" on a link the receivers measured at 125 MB/s. Such a record
+    # made joint stages that beat 'up' alone look no faster.
+    ctl = PathController(ControlConfig(start_on_one_plane=True), rank=0)
+    n, t = 8 * MiB, 0.0
+    for _ in range(6):
+        ctl.estimator.observe(0, "up", 1, n, t, t + n / 125e6)
+        t += 0.1
+    d = ctl.decide(one_flow(n=n), t)
+    assert d.up_bytes[0] == n  # 'out' dropped from the start: a solo stage on 'up'
+    ctl.on_stage(d, t, t + 0.045, {"up": n, "out": 0})
+    assert ctl.snapshot()["ranks"]["0"]["solo_ref_Bps"]["up"] == pytest.approx(1.2 * 125e6, rel=0.01)
+    ctl.on_stage(d, t, t + 0.080, {"up": n, "out": 0})  # a slower stage is taken as measured
+    assert ctl.snapshot()["ranks"]["0"]["solo_ref_Bps"]["up"] < 1.2 * 125e6
+
+
 def test_engine_pattern_without_rank_learns_its_own_paths():
     # An engine that decides only its own sends and reports completions
     # without naming itself: the controller takes its rank from the flows.

@@ -48,7 +48,7 @@ PLANES = ("up", "out")
 IDLE_RATE_SAMPLES = 5  # idle-start samples whose median rate is the estimate (see _fit_idle_only)
 STALE_ROUNDS = 2  # rounds that stand in when none is fresh (see PathEstimator._snapshot)
 
-IDLE_STEP_SAMPLES = 2  # idle-start samples all beyond drop_ratio of the older median: a step (see _idle_step)
+IDLE_STEP_SAMPLES = 3  # idle-start samples all beyond drop_ratio of the older median: a step (see _idle_step)
 
 
 def _idle_rate(sample: tuple, delay_s: float) -> float:
