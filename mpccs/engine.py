@@ -355,6 +355,13 @@ class StageRun:
             record[1] = now
             record[2] += nbytes
 
+    def received_by_plane(self) -> dict:
+        """Bytes that arrived in this stage per plane (chunks of at least MIN_SAMPLE_BYTES)."""
+        got = {UP: 0, OUT: 0}
+        for (plane, _), (_, _, nbytes) in self.arrivals.items():
+            got[plane] += nbytes
+        return got
+
     def delivery_samples(self):
         """One delivery sample per (plane, peer) over the whole stage.
 
@@ -1017,7 +1024,8 @@ class CollectiveOp(Operation):
                 for sample in run.delivery_samples():
                     self.engine.controller.on_delivery(*sample)
             if self.engine.controller is not None and run.plan is not None and "decision" in run.plan.reason:
-                self.engine.controller.on_stage(run.plan.reason["decision"], run.t_start, run.t_end, dict(run.bytes_by_plane))
+                self.engine.controller.on_stage(run.plan.reason["decision"], run.t_start, run.t_end,
+                                                dict(run.bytes_by_plane), received_by_plane=run.received_by_plane())
             self._stage_complete(run.stage.id)
             moved = True
         return moved

@@ -533,7 +533,7 @@ def test_load_on_one_direction_is_followed_within_two_operations_without_a_drop(
     assert not [e for e in events if e["event"] == "drop" and e["decision"] > 8], events
 
 
-def test_solo_record_is_bounded_by_the_planes_delivery_rate():
+def test_solo_record_is_bounded_by_the_planes_delivery_rate_and_needs_one_plane_both_ways():
     # Over tcp a rank's solo stage can end before its bytes are on the wire
     # (the socket buffers took them; a peer that split gated the stage): 8 MiB
     # "in 45 ms" on a link the receivers measured at 125 MB/s. Such a record
@@ -548,7 +548,14 @@ def test_solo_record_is_bounded_by_the_planes_delivery_rate():
     ctl.on_stage(d, t, t + 0.045, {"up": n, "out": 0})
     assert ctl.snapshot()["ranks"]["0"]["solo_ref_Bps"]["up"] == pytest.approx(1.2 * 125e6, rel=0.01)
     ctl.on_stage(d, t, t + 0.080, {"up": n, "out": 0})  # a slower stage is taken as measured
-    assert ctl.snapshot()["ranks"]["0"]["solo_ref_Bps"]["up"] < 1.2 * 125e6
+    ref = ctl.snapshot()["ranks"]["0"]["solo_ref_Bps"]["up"]
+    assert ref < 1.2 * 125e6
+    # Sent on 'up' alone but received on both planes (the peer split): the
+    # stage ended with the peer's split, it is no solo record.
+    ctl.on_stage(d, t, t + 0.050, {"up": n, "out": 0}, received_by_plane={"up": n // 2, "out": n // 2})
+    assert ctl.snapshot()["ranks"]["0"]["solo_ref_Bps"]["up"] == ref
+    ctl.on_stage(d, t, t + 0.090, {"up": n, "out": 0}, received_by_plane={"up": n, "out": 0})
+    assert ctl.snapshot()["ranks"]["0"]["solo_ref_Bps"]["up"] != ref
 
 
 def test_engine_pattern_without_rank_learns_its_own_paths():
