@@ -682,6 +682,7 @@ def test_export_reuses_recent_entries_until_a_rate_steps_or_flags_change():
             est.observe(0, "up", 1, 1 << 20, start, t)
 
     feed(8e9)
+    ctl.export_estimates(t, epoch - 1)  # the dropped flags reached the peers in the operation before
     first = ctl.export_estimates(t, epoch)
     feed(9e9)  # a small change: the blob may be reused for a few calls ...
     assert ctl.export_estimates(t, epoch) is first
@@ -714,9 +715,20 @@ def test_settled_only_between_probe_epochs_when_every_rank_dropped_out():
     peer = PathController(ControlConfig(), rank=1)
     ctl.merge_estimates(1, peer.export_estimates(0.0))
     assert not any(ctl.settled(e) for e in range(1, 3 * grid))
-    # Rank 1 dropped 'out' too: settled except around the probe grid.
+    # Rank 1 dropped 'out' too, but this rank's drop has not been exported yet:
+    # rank 1 cannot know it and still declares it may carry, so nothing is
+    # settled here either (settled alone, an operation kept its DONE round).
     dropped = PathController(cfg, rank=1)
     ctl.merge_estimates(1, dropped.export_estimates(0.0))
+    assert not any(ctl.settled(e) for e in range(1, 3 * grid))
+    ctl.export_estimates(0.0, 0)  # exported with operation 0: the peers know it from operation 1 on
+    # Exported with an operation outside the epoch count (a small one) before
+    # any epoch: known to the peers from the first epoch on.
+    early = PathController(cfg, rank=0)
+    early.merge_estimates(1, dropped.export_estimates(0.0))
+    early.export_estimates(0.0, None)
+    assert early.settled(grid + 5) and ctl.settled(grid + 5)
+    # Now settled except around the probe grid.
     near_probe = {e for g in (0, FIRST_PROBE_AFTER, grid, 2 * grid) for e in (g - 1, g, g + 1)}
     for e in range(1, 2 * grid + 2):
         assert ctl.settled(e) == (e not in near_probe), e

@@ -366,6 +366,7 @@ class Estimator:
         self._ports: dict[int, list[tuple[int, str, int]]] = {}  # port -> the (src, plane, dst) measured there
         self._port_of: dict[tuple[int, str, int], int] = {}
         self._last_done: dict[tuple[int, str], float] = {}
+        self._port_regimes: dict[int, int] = {}  # port -> steps seen on its paths (kept as they happen)
         self._remote: dict[int, dict[tuple[int, str, int], tuple[float, float, int]]] = {}  # reporter -> its paths
         self._remote_by_src: Optional[dict[int, dict[tuple[str, int], tuple[float, float]]]] = None
         self.samples_seen = 0  # observations so far: unchanged means every local estimate is as it was (but for age)
@@ -389,7 +390,10 @@ class Estimator:
             self._ports.setdefault(port, []).append((src, plane, peer))
             self._port_of[(src, plane, peer)] = port
         prev = self._last_done.get((port, plane))
+        regimes = path.regime_changes
         path.add(nbytes, t_post, t_done, prev)
+        if path.regime_changes != regimes:
+            self._port_regimes[port] = self._port_regimes.get(port, 0) + path.regime_changes - regimes
         self._last_done[(port, plane)] = t_done if prev is None else max(prev, t_done)
 
     def set_remote(self, reporter: int, entries: Mapping[tuple[int, str, int], tuple[float, float, int]]) -> None:
@@ -458,8 +462,8 @@ class Estimator:
         return set(self._paths) | set(self._reports())
 
     def local_regime_changes(self, port: int) -> int:
-        """Step changes (down or up) seen on any path measured at ``port``."""
-        return sum(self._paths[src][(plane, dst)].regime_changes for src, plane, dst in self._ports.get(port, ()))
+        """Step changes (down or up) seen on any path measured at ``port`` (every export asks)."""
+        return self._port_regimes.get(port, 0)
 
     def regime_changes(self, rank: int) -> int:
         """A count that moves whenever a path into or out of ``rank`` stepped:
