@@ -167,8 +167,13 @@ def test_settled_adaptive_runs_as_up_and_skips_the_done_round(pools):
     for ops in pools("2").run(settled_adaptive_run, 40):
         assert all(o["exact"] and o["policy"] == "adaptive" for o in ops)
         settled = [o for o in ops if not o["planned"]]
-        # Between probes nothing is decided, and nothing touches 'out' ...
-        assert len(settled) >= len(ops) // 2, ops
+        # Between probes nothing is decided, and nothing touches 'out' ... Not
+        # every operation between probes: the two after each probe epoch are
+        # planned (a repeat and its re-add may be on their way), and a probe
+        # that the VM's noise makes look like a gain re-adds 'out' until three
+        # judged stages drop it again and the drop has been exported (once in
+        # ~16 module runs that left 14 of 40 settled).
+        assert len(settled) >= len(ops) // 3, ops
         assert all(o["out_bytes"] == 0 for o in settled)
         # ... so no rank may carry bytes on a failable plane: no DONE round.
         assert all(o["waived"] and not o["protected"] for o in settled)

@@ -866,10 +866,11 @@ class PathController:
     def may_use(self, plane: str, epoch: Optional[int]) -> bool:
         """Whether operation ``epoch`` might put bytes on ``plane`` on any rank
         (the failover snapshot's test). False only when this rank has the plane
-        dropped with no check pending, every rank we heard from has it dropped
-        too, and ``epoch`` is neither on the probe grid (any rank's probe epochs
-        are multiples of probe_every, or the first probe) nor right after it (a
-        peer that re-added the plane there says so one operation later)."""
+        dropped with no check pending (and its drop already exported), every
+        rank we heard from has it dropped too, and ``epoch`` is neither on the
+        probe grid (any rank's probe epochs are multiples of probe_every, or
+        the first probe) nor one of the two after it (a probe's repeat, and the
+        operation in which a peer that re-added at the repeat says so)."""
         st = self._states.get(self.rank)
         if epoch is None or st is None or plane not in st.dropped or st.pending_check is not None:
             return True
@@ -881,9 +882,15 @@ class PathController:
             return True
         # Asked up to four times per operation (settled, export, the failover
         # declaration): plain tests, no generators.
+        # A probe at epoch g on the grid (or FIRST_PROBE_AFTER) may re-add the
+        # plane at g, or at g + 1 when its inconclusive result is repeated
+        # (confirm_epoch); a re-add reaches the peers with the next operation's
+        # blob, so they cannot know of it before g + 2 (a peer that re-added at
+        # its confirm epoch 33 sent on 'out' while this rank ran 34 settled).
         grid = self.config.probe_every
-        if epoch % grid == 0 or (epoch - 1) % grid == 0 or epoch == FIRST_PROBE_AFTER or epoch - 1 == FIRST_PROBE_AFTER:
-            return True
+        for e in (epoch, epoch - 1, epoch - 2):
+            if e % grid == 0 or e == FIRST_PROBE_AFTER:
+                return True
         if not self._remote_dropped:
             return True
         for dropped in self._remote_dropped.values():
