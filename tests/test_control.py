@@ -411,8 +411,9 @@ def test_export_merge_gives_every_rank_the_same_decision():
     ctls = [PathController(ControlConfig(), rank=r) for r in range(2)]
     now, compared = 0.0, 0
     for op in range(8):
-        # Every rank decides every stage, from estimates exported one operation ago.
-        d0, d1 = (c.decide(flows, now) for c in ctls)
+        # Every rank decides every stage, from estimates exported one operation
+        # ago, and executes (is authoritative for) its own flows.
+        d0, d1, res = two_rank_stage(ctls, planes, flows, now, engine_feedback=False)
         if op > 0:
             for src in (0, 1):  # one view: the same estimates of every rank on every rank
                 assert ctls[0].estimator.measured(src) == ctls[1].estimator.measured(src)
@@ -421,19 +422,7 @@ def test_export_merge_gives_every_rank_the_same_decision():
             # Same view, same modes: the coflow's stage time is the same everywhere.
             assert d0.reason["optimal_stage_time_s"] == d1.reason["optimal_stage_time_s"]
             compared += 1
-        # Each rank executes (and is authoritative for) its own flows.
-        d = StageDecision({0: d0.up_bytes[0], 1: d1.up_bytes[1]}, d0.window_bytes, True,
-                          {0: d0.out_cap_bytes[0], 1: d1.out_cap_bytes[1]}, {})
-        res = planes.run_stage(d, flows, now, 512 * KiB)
-        for ev in res.chunks:
-            ctls[ev.src].on_chunk(ev.plane, ev.dst, ev.nbytes, ev.t_post, ev.t_done)
-        for src, t_end in res.t_end_by_src.items():
-            ctls[src].on_stage(d0 if src == 0 else d1, now, t_end, res.bytes_by_src[src])
-        blobs = [c.export_estimates(now) for c in ctls]
-        for c in ctls:
-            for r, b in enumerate(blobs):
-                if r != c.rank:
-                    c.merge_estimates(r, b)
+        blobs = exchange_blobs(ctls, res.t_end)
         now = res.t_end + 1e-4
     assert compared >= 4
     # Rank 1 has the slow 'out' link: both ranks see it and put little there.
@@ -445,6 +434,35 @@ def test_export_merge_gives_every_rank_the_same_decision():
         ctls[0].merge_estimates(1, b"\x07garbage")
     with pytest.raises(ValueError):
         ctls[0].merge_estimates(1, blobs[1][:-3])
+
+
+def two_rank_stage(ctls, planes, flows, now, engine_feedback=True):
+    """Both ranks decide the stage; each runs its own flows (its decision is
+    authoritative for them) and learns from the result: the engine's delivery
+    samples at the receiver, or (``engine_feedback=False``) the simulator's
+    sender completions."""
+    d0, d1 = (c.decide(flows, now) for c in ctls)
+    d = StageDecision({0: d0.up_bytes[0], 1: d1.up_bytes[1]}, d0.window_bytes, True,
+                      {0: d0.out_cap_bytes[0], 1: d1.out_cap_bytes[1]}, {})
+    res = planes.run_stage(d, flows, now, 512 * KiB)
+    if engine_feedback:
+        deliver(ctls, res)
+    else:
+        for ev in res.chunks:
+            ctls[ev.src].on_chunk(ev.plane, ev.dst, ev.nbytes, ev.t_post, ev.t_done)
+    for src, t_end in res.t_end_by_src.items():
+        ctls[src].on_stage(d0 if src == 0 else d1, now, t_end, res.bytes_by_src[src])
+    return d0, d1, res
+
+
+def exchange_blobs(ctls, now):
+    """Every rank's export merged at every other rank (the fingerprint exchange)."""
+    blobs = [c.export_estimates(now) for c in ctls]
+    for c in ctls:
+        for r, b in enumerate(blobs):
+            if r != c.rank:
+                c.merge_estimates(r, b)
+    return blobs
 
 
 def deliver(ctls, res):
@@ -470,18 +488,8 @@ def test_asymmetric_links_are_learnt_from_the_receiver_and_agreed():
     ctls = [PathController(ControlConfig(), rank=r) for r in range(2)]
     now = 0.0
     for _ in range(8):
-        d0, d1 = (c.decide(flows, now) for c in ctls)
-        d = StageDecision({0: d0.up_bytes[0], 1: d1.up_bytes[1]}, d0.window_bytes, True,
-                          {0: d0.out_cap_bytes[0], 1: d1.out_cap_bytes[1]}, {})
-        res = planes.run_stage(d, flows, now, 512 * KiB)
-        deliver(ctls, res)
-        for src, t_end in res.t_end_by_src.items():
-            ctls[src].on_stage(d0 if src == 0 else d1, now, t_end, res.bytes_by_src[src])
-        blobs = [c.export_estimates(now) for c in ctls]
-        for c in ctls:
-            for r, b in enumerate(blobs):
-                if r != c.rank:
-                    c.merge_estimates(r, b)
+        d0, d1, res = two_rank_stage(ctls, planes, flows, now)
+        blobs = exchange_blobs(ctls, res.t_end)
         now = res.t_end + 1e-4
     for c in ctls:  # one view on both ranks, each direction measured by its receiver
         assert c.estimator.measured(0)[("out", 1)].rate_Bps < 2e9
@@ -511,20 +519,11 @@ def test_load_on_one_direction_is_followed_within_two_operations_without_a_drop(
     for op in range(30):
         planes.links[(0, "out", 1)].rate_Bps = 1.25e9 if 10 <= op < 20 else 5e9
         for _ in range(2):  # reduce-scatter and all-gather stage
-            d0, d1 = (c.decide(flows, now) for c in ctls)
-            d = StageDecision({0: d0.up_bytes[0], 1: d1.up_bytes[1]}, d0.window_bytes, True,
-                              {0: d0.out_cap_bytes[0], 1: d1.out_cap_bytes[1]}, {})
-            res = planes.run_stage(d, flows, now, 512 * KiB)
-            deliver(ctls, res)
-            for src, t_end in res.t_end_by_src.items():
-                ctls[src].on_stage(d0 if src == 0 else d1, now, t_end, res.bytes_by_src[src])
+            d0, d1, res = two_rank_stage(ctls, planes, flows, now)
             now = res.t_end + 1e-4
-        blobs = [c.export_estimates(now) for c in ctls]
         for c in ctls:
             events += c.take_events()
-            for r, b in enumerate(blobs):
-                if r != c.rank:
-                    c.merge_estimates(r, b)
+        exchange_blobs(ctls, now)
         shares.append(d0.out_bytes(flows[0]) / flows[0].nbytes)
     idle, loaded = 5 / 15, 1.25 / 11.25  # best shares of flow 0->1 on 'out'
     assert all(abs(x - idle) < 0.05 for x in shares[4:10]), shares
