@@ -369,10 +369,10 @@ class StageRun:
         delivered bytes whatever the protocol, while a sender's completion
         under an eager protocol only means the socket took them. The sample
         belongs to the peer's path to this rank (controller.on_delivery), and
-        the peer learns it from this rank's exported estimates. The interval runs from this rank's stage start
-        to the last arrival: arrival times alone mislead when a flow fits in
-        the socket buffers (the first chunk already waited for most of the
-        transfer), and in symmetric collectives the peer starts the stage
+        the peer learns it from this rank's exported estimates. The interval
+        runs from this rank's stage start to the last arrival: arrival times
+        alone mislead when a flow fits in the socket buffers (the first chunk
+        already waited for most of the transfer), and in symmetric collectives the peer starts the stage
         about when this rank does (its lateness makes the sample err slow,
         the safe side). The estimator sees one chunk posted to an idle plane
         and fits rate and delay from such samples (its idle-only model).

@@ -156,8 +156,8 @@ MISPREDICTIONS_BEFORE_JUDGING = 3
 # one slow stage of two dropped 'out' under a background flow where it paid
 # 15-20% (testbed series: judged stages of 74 and 58 ms against a 60 ms solo).
 JOINT_STAGES_KEPT = 5
-SOLO_OVER_DELIVERY_MAX = 1.2  # a solo record's rate at most this times the plane's delivery-measured rate
 JOINT_STAGES_TO_DROP = 3
+SOLO_OVER_DELIVERY_MAX = 1.2  # a solo record's rate: at most this times the plane's delivery rate (_record_solo)
 UNUSED_STAGES_BEFORE_DROP = 4  # see PathController._note_unused
 FIRST_PROBE_AFTER = 4  # decisions (epochs) before the first probe of a plane that starts dropped: the median of 3 solo stages is the reference, not a cold first one
 
@@ -199,20 +199,22 @@ class _RankState:
 
 # Blob: header (version, dropped-plane bits, entry count), then per path the
 # exporting rank measured one entry (plane index, peer, the path's regime
-# count modulo 256, rate B/s, fixed delay s) = 14 bytes. The plane byte's top bit says the path runs from the peer to
-# the exporter (measured at the receiver, what the engine reports); without it
-# the path runs from the exporter to the peer (a sender's own completions).
+# count modulo 256, rate B/s, fixed delay s) = 14 bytes. The plane byte's top
+# bit says the path runs from the peer to the exporter (measured at the
+# receiver, what the engine reports); without it the path runs from the
+# exporter to the peer (a sender's own completions).
 _BLOB_VERSION = 2
 _INCOMING = 0x80
+_HDR = struct.Struct("<BBH")
+_ENTRY = struct.Struct("<BIBff")
 
 
 def _entry(reporter: int, path: tuple[int, str, int], rate: float, lat: float, regime: int) -> bytes:
+    """One blob entry for ``path`` (src, plane, dst), as rank ``reporter`` exports it."""
     src, plane, dst = path
     if dst == reporter:
         return _ENTRY.pack(PLANES.index(plane) | _INCOMING, src, regime, rate, lat)
     return _ENTRY.pack(PLANES.index(plane), dst, regime, rate, lat)
-_HDR = struct.Struct("<BBH")
-_ENTRY = struct.Struct("<BIBff")
 # While 'out' may not carry bytes (controller.may_use), an export reuses the
 # previous one's entries for this many calls unless a plane's rate stepped (the
 # estimator's regime count moved) or the dropped flags changed: computing them
@@ -880,13 +882,12 @@ class PathController:
             # carry, and an operation settled here alone kept its DONE round
             # (the settled-adaptive collectives test, once in a fresh-clone CI).
             return True
-        # Asked up to four times per operation (settled, export, the failover
-        # declaration): plain tests, no generators.
         # A probe at epoch g on the grid (or FIRST_PROBE_AFTER) may re-add the
         # plane at g, or at g + 1 when its inconclusive result is repeated
         # (confirm_epoch); a re-add reaches the peers with the next operation's
         # blob, so they cannot know of it before g + 2 (a peer that re-added at
         # its confirm epoch 33 sent on 'out' while this rank ran 34 settled).
+        # Asked up to four times per operation: plain loops, no generators.
         grid = self.config.probe_every
         for e in (epoch, epoch - 1, epoch - 2):
             if e % grid == 0 or e == FIRST_PROBE_AFTER:

@@ -148,15 +148,16 @@ class PathEstimator:
         samples): the last IDLE_STEP_SAMPLES all beyond ``drop_ratio`` of the
         median of the five before them, either way, their rates taken with
         the prior delay removed (sizes differ: a stolen part is smaller). The
-        older samples are forgotten, so the rate follows at once instead of
-        after the median's three samples, and the step counts as a regime
-        change: the judge gives the new estimates a chance before it reads
-        slow stages as harm, and peers learn of it from the exported count."""
+        older samples are forgotten, so the median holds no sample from
+        before the step, and the step counts as a regime change: the judge
+        gives the new estimates a chance before it reads slow stages as harm,
+        and peers learn of it from the exported count."""
         clean = list(self._clean_delays)
         if len(clean) < IDLE_STEP_SAMPLES + 3:
             return
         a = self.prior_latency_s
-        recent, older = clean[-IDLE_STEP_SAMPLES:], clean[-IDLE_STEP_SAMPLES - IDLE_RATE_SAMPLES:-IDLE_STEP_SAMPLES]
+        recent = clean[-IDLE_STEP_SAMPLES:]
+        older = clean[-IDLE_STEP_SAMPLES - IDLE_RATE_SAMPLES:-IDLE_STEP_SAMPLES]
         ref = statistics.median(_idle_rate(x, a) for x in older)
         rates = [_idle_rate(x, a) for x in recent]
         if max(rates) < self.drop_ratio * ref:
@@ -363,12 +364,10 @@ class Estimator:
         self.prior_latency_s = dict(prior_latency_s)
         self._params = (max_samples, max_age_s, drop_ratio, drop_samples, round_samples)
         self._paths: dict[int, dict[tuple[str, int], PathEstimator]] = {}   # src -> (plane, dst) -> path
-        self._ports: dict[int, list[tuple[int, str, int]]] = {}  # port -> the (src, plane, dst) measured there
-        self._port_of: dict[tuple[int, str, int], int] = {}
+        self._port_of: dict[tuple[int, str, int], int] = {}  # (src, plane, dst) -> the rank it is measured at
         self._last_done: dict[tuple[int, str], float] = {}
-        self._port_regimes: dict[int, int] = {}  # port -> steps seen on its paths (kept as they happen)
         self._remote: dict[int, dict[tuple[int, str, int], tuple[float, float, int]]] = {}  # reporter -> its paths
-        self._remote_by_src: Optional[dict[int, dict[tuple[str, int], tuple[float, float]]]] = None
+        self._remote_by_src: Optional[dict[int, dict[tuple[str, int], tuple[float, float, int]]]] = None
         self.samples_seen = 0  # observations so far: unchanged means every local estimate is as it was (but for age)
 
     # -- observations ---------------------------------------------------
@@ -387,13 +386,9 @@ class Estimator:
         if path is None:
             path = paths[(plane, peer)] = PathEstimator(*self._params,
                                                         prior_latency_s=float(self.prior_latency_s[plane]))
-            self._ports.setdefault(port, []).append((src, plane, peer))
             self._port_of[(src, plane, peer)] = port
         prev = self._last_done.get((port, plane))
-        regimes = path.regime_changes
         path.add(nbytes, t_post, t_done, prev)
-        if path.regime_changes != regimes:
-            self._port_regimes[port] = self._port_regimes.get(port, 0) + path.regime_changes - regimes
         self._last_done[(port, plane)] = t_done if prev is None else max(prev, t_done)
 
     def set_remote(self, reporter: int, entries: Mapping[tuple[int, str, int], tuple[float, float, int]]) -> None:
@@ -451,7 +446,7 @@ class Estimator:
         """What was measured at rank ``port``, for export: (src, plane, dst) ->
         (rate, latency, regime count modulo 256)."""
         out = {}
-        for src, plane, dst in self._ports.get(port, ()):
+        for src, plane, dst in self._measured_at(port):
             path = self._paths[src][(plane, dst)]
             est = path.estimate(now)
             if est is not None:
@@ -461,9 +456,12 @@ class Estimator:
     def srcs(self) -> set[int]:
         return set(self._paths) | set(self._reports())
 
+    def _measured_at(self, port: int) -> list[tuple[int, str, int]]:
+        return [path for path, at in self._port_of.items() if at == port]
+
     def local_regime_changes(self, port: int) -> int:
-        """Step changes (down or up) seen on any path measured at ``port`` (every export asks)."""
-        return self._port_regimes.get(port, 0)
+        """Step changes (down or up) seen on any path measured at ``port``."""
+        return sum(self._paths[src][(plane, dst)].regime_changes for src, plane, dst in self._measured_at(port))
 
     def regime_changes(self, rank: int) -> int:
         """A count that moves whenever a path into or out of ``rank`` stepped:
