@@ -30,17 +30,19 @@ def timed_all_reduce(comm, x):
     dt = np.array([time.perf_counter() - t0])
     stats = comm.last_stats()
     comm.all_reduce(dt, op="max")
-    return float(dt[0]), stats["bytes_per_plane"]
+    return float(dt[0]), stats["bytes_per_plane"], stats.get("events", [])
 
 
 def adaptive(comm, nbytes, repeats):
     """Let the controller settle on 'adaptive' alone, then time it against 'up', interleaved."""
     x = np.ones(nbytes // 4, np.float32)
-    result = {"up": [], "adaptive": [], "share": []}
+    result = {"up": [], "adaptive": [], "share": [], "events": []}
     comm.set_path_policy("adaptive")
-    for _ in range(repeats):
-        _, bpp = timed_all_reduce(comm, x)
+    for i in range(repeats):
+        _, bpp, events = timed_all_reduce(comm, x)
         result["share"].append(bpp["up"] / max(1, bpp["up"] + bpp["out"]))
+        # controller drops/re-adds, so a failed check shows why the split moved
+        result["events"] += [{"op": i, **e} for e in events if e.get("kind") == "controller"]
     for _ in range(5):
         for policy in ("up", "adaptive"):
             comm.set_path_policy(policy)
