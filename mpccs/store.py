@@ -104,10 +104,24 @@ class _Handler(socketserver.BaseRequestHandler):
         except OSError:
             pass
         if close:
-            try:
-                self.request.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            self._close_after_reply()
+
+    def _close_after_reply(self, drain_bytes: int = 1 << 16, drain_s: float = 1.0) -> None:
+        """FIN after the reply, then read what the peer sent before closing: closing with
+        unread bytes makes the kernel send a reset, which can destroy the reply before the
+        peer reads it (a rejected HTTP request lost its error reply that way). Bounded, so a
+        peer that never stops sending cannot hold the handler."""
+        try:
+            self.request.shutdown(socket.SHUT_WR)
+            self.request.settimeout(drain_s)
+            deadline = time.monotonic() + drain_s
+            while drain_bytes > 0 and time.monotonic() < deadline:
+                part = self.request.recv(min(drain_bytes, 4096))
+                if not part:
+                    break
+                drain_bytes -= len(part)
+        except OSError:
+            pass
 
 
 def _parse_body(body: bytes):

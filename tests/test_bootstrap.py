@@ -152,6 +152,17 @@ def test_store_rejects_malformed_and_oversized_requests():
         server.close()
 
 
+def test_store_rejection_reaches_a_client_that_sent_more():
+    # The server used to close with the client's bytes unread: the kernel's reset
+    # then destroyed the error reply now and then (8 of 300 here). Every one must arrive.
+    server = StoreServer("127.0.0.1", 0, "tok")
+    try:
+        replies = [raw_request(server.port, b"GET / HTTP/1.0\r\n\r\n" + b"x" * 3000)[:1] for _ in range(150)]
+        assert replies == [b"\x03"] * 150
+    finally:
+        server.close()
+
+
 def test_store_counter_and_bounded_wait():
     server = StoreServer("127.0.0.1", 0, "")
     try:
@@ -177,4 +188,9 @@ def test_configuration_is_validated():
     opts = load_options({"MPCCS_OUT_TLS": "rc,ud", "MPCCS_UP_TLS": "cuda_ipc,cuda_copy", "MPCCS_CHUNK": "256K"})
     assert (opts.out_tls, opts.up_tls, opts.chunk_bytes) == ("rc,ud", "cuda_ipc,cuda_copy", 256 << 10)
     assert load_options({"MPCCS_MULTIPATH": "0"}).path_policy == "up"
+    assert [load_options({"MPCCS_DEVICE_REDUCE": v}).device_reduce for v in ("1", "0", "Auto", "never")] == [
+        "always", "never", "auto", "never"]
+    assert load_options({}).device_reduce == "auto"
+    with pytest.raises(ConfigError, match="MPCCS_DEVICE_REDUCE.*use one of auto, always, never"):
+        load_options({"MPCCS_DEVICE_REDUCE": "gpu"})
     assert load_options({}, path_policy="0.25").path_policy == 0.25
