@@ -9,11 +9,11 @@ with CUDA tensors; results checked against host references, a short timing table
 Without a GPU it prints "no GPU: skipped" and exits 0. With a GPU but neither
 cupy nor a CUDA build of torch it exits 2 (install 'mpccs[gpu]').
 
-Memory path: the Communicator takes host (numpy) memory only today
-(mpccs.arrays refuses cupy), so device arrays are staged through host copies
-(cupy.asnumpy -> collective -> cupy.asarray) and the table says so; the torch
-backend stages CUDA tensors the same way inside. The moment mpccs.arrays
-accepts cupy arrays, this script passes them directly (it probes once).
+Memory path: the Communicator takes cupy arrays and stages them through pinned
+host mirrors itself (mpccs.staging: device -> host before any byte moves, the
+collective on the mirrors, host -> device at completion); the torch backend
+stages CUDA tensors through pinned host tensors the same way. The table says
+which path ran.
 Exit code: 0 when every check passed, 1 when one failed, 124 on timeout.
 """
 from __future__ import annotations
@@ -265,14 +265,10 @@ class HostDevice:
 
 
 def accepts_directly(arr) -> bool:
-    """Does mpccs take this array as it is (no host staging)?"""
-    from mpccs import arrays
+    """Does mpccs take this array as it is (the caller stages nothing)?"""
+    from mpccs import staging
 
-    try:
-        arrays.check_array(arr, "probe")
-        return True
-    except TypeError:
-        return False
+    return isinstance(arr, np.ndarray) or staging.is_device_array(arr)
 
 
 # ---------------------------------------------------------------------------
@@ -400,7 +396,7 @@ def worker(args) -> int:
         dist.init_process_group("mpccs")
         comm = mt.get_communicator()
         torch_note = f"torch backend 'mpccs' on {torch_device} tensors" + (
-            " (staged through host copies inside the backend)" if torch_device == "cuda" else "")
+            " (staged through pinned host tensors inside the backend)" if torch_device == "cuda" else "")
     else:
         import mpccs
 
@@ -417,7 +413,7 @@ def worker(args) -> int:
     path = "direct" if direct else "staged via host"
     if rank == 0:
         print(f"gpu_check: {size} ranks, device arrays: {dev.name}, "
-              f"{'passed to mpccs directly' if direct else 'staged through host copies (mpccs.arrays takes numpy only)'}; "
+              f"{'passed to mpccs directly' if direct else 'staged by the caller through host copies'}; "
               f"{torch_note}", flush=True)
 
     rows, failures = [], []

@@ -24,7 +24,6 @@ KNOWN_TLS = (
 )
 
 DEFAULT_UP_TLS_CPU = "posix,cma,sysv,self"
-DEFAULT_UP_TLS_GPU_EXTRA = "cuda_ipc,cuda_copy"
 DEFAULT_OUT_TLS = "tcp"
 
 PathPolicy = Union[str, float]
@@ -97,10 +96,27 @@ def parse_bool(value) -> bool:
     raise ConfigError(f"cannot read boolean {value!r} (use 0 or 1)")
 
 
+# Where reductions of device (cupy) arrays are computed (mpccs.staging):
+# 'always' on the device, 'never' on the pinned host mirrors, 'auto' where an
+# H200 host measured the device to pay (bench/results/gpu_reduce_h200):
+# reduce_scatter and reduce from 16 MiB (1.2-1.9x); all_reduce stays on the
+# mirrors (the host ring overlaps its two halves; the device path, two
+# collectives back to back, was 0.8x).
+DEVICE_REDUCE_MODES = ("auto", "always", "never")
+
+
+def parse_device_reduce(value) -> str:
+    text = str(value).strip().lower()
+    text = {"1": "always", "0": "never", "true": "always", "false": "never"}.get(text, text)
+    if text not in DEVICE_REDUCE_MODES:
+        raise ConfigError(f"cannot read {value!r}; use one of {', '.join(DEVICE_REDUCE_MODES)}")
+    return text
+
+
 @dataclass(frozen=True)
 class Options:
     planes: tuple[str, ...] = PLANE_NAMES
-    up_tls: Optional[str] = None  # None: CPU default, plus cuda_ipc,cuda_copy with a GPU
+    up_tls: Optional[str] = None  # None: the host transports (device arrays are staged through pinned host mirrors)
     up_devices: Optional[str] = None
     out_tls: str = DEFAULT_OUT_TLS
     out_devices: Optional[str] = None  # None: 'lo' when every rank is on one host, else all
@@ -115,6 +131,7 @@ class Options:
     out_cap_share: float = 1.0
     fingerprint: bool = True
     failover: bool = True  # retry a collective on the plane left when one fails
+    device_reduce: str = "auto"  # where reductions of device arrays are computed (DEVICE_REDUCE_MODES)
     plane_timeout_s: float = 1.0  # heartbeat silence that marks a plane down
     reprobe_s: float = 5.0  # how long a failed plane rests before a rejoin probe
 
@@ -137,6 +154,7 @@ _ENV = {
     "out_cap_share": ("MPCCS_OUT_CAP", float),
     "fingerprint": ("MPCCS_FINGERPRINT", parse_bool),
     "failover": ("MPCCS_FAILOVER", parse_bool),
+    "device_reduce": ("MPCCS_DEVICE_REDUCE", lambda v: parse_device_reduce(v)),
     "plane_timeout_s": ("MPCCS_PLANE_TIMEOUT", float),
     "reprobe_s": ("MPCCS_REPROBE", float),
 }

@@ -19,8 +19,8 @@ token travel through torch's store. docs/torch.md explains the choice.
 Tensors: contiguous CPU tensors are passed to the Communicator as numpy views of
 their own memory (no copy). Non-contiguous tensors, lists of separate tensors
 (list all_gather / reduce_scatter / alltoall, unless the list is consecutive views
-of one buffer) and CUDA tensors (the Communicator takes host memory only) are
-staged through a contiguous host copy and copied back when the Work completes.
+of one buffer) and CUDA tensors are staged through a contiguous host copy (pinned
+for CUDA tensors) and copied back when the Work completes.
 
 Progress: mpccs has no progress thread. ``Work.wait()``, ``Work.is_completed()``
 and ``Work.get_future()`` drive the communicator; ``get_future()`` returns an
@@ -126,12 +126,11 @@ def _stage(t: torch.Tensor, *, load: bool = True) -> _Staged:
         return _Staged(t, t.detach(), False)
     if t.is_sparse:
         raise TypeError("mpccs: sparse tensors are not supported")
+    # CUDA tensors stage through page-locked memory: the copy engines move it
+    # at PCIe rate without a bounce buffer (torch caches the pinned blocks).
+    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
     if load:
-        host = t.detach().to("cpu").resolve_conj().resolve_neg()
-        if host.data_ptr() == t.data_ptr() or not host.is_contiguous():
-            host = host.clone(memory_format=torch.contiguous_format)
-    else:
-        host = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        host.copy_(t.detach())  # resolves conj/neg views and strides; blocking for CUDA sources
     return _Staged(t, host, True)
 
 
