@@ -62,7 +62,8 @@ def sizes(begin: int, end: int, factor: float) -> list[int]:
 class Case:
     """Buffers and a runner for one collective at one size (count = elements per the nccl-tests size)."""
 
-    def __init__(self, comm, collective: str, nbytes: int, dtype: np.dtype, op: str, root: int, in_place: bool):
+    def __init__(self, comm, collective: str, nbytes: int, dtype: np.dtype, op: str, root: int, in_place: bool,
+                 memory: str = "host"):
         self.comm, self.collective, self.op, self.root, self.in_place = comm, collective, op, root, in_place
         n, item = comm.size, dtype.itemsize
         elements = nbytes // item
@@ -93,6 +94,17 @@ class Case:
         else:  # reduce
             self.send, self.recv = make(c), np.empty(c, dtype)
         self.original = self.send.copy()
+        self.xp = np
+        if memory == "device":  # the same values in GPU memory (mpccs stages them: docs/design.md)
+            import cupy
+
+            self.xp = cupy
+            self.send, self.recv, self.original = (cupy.asarray(a) for a in (self.send, self.recv, self.original))
+
+    def sync(self) -> None:
+        """Wait for the device's work (device memory): the time then covers the copies back."""
+        if self.xp is not np:
+            self.xp.cuda.get_current_stream().synchronize()
 
     def _size_bytes(self, n: int, item: int) -> int:
         if self.collective in ("all_gather", "reduce_scatter"):
@@ -119,7 +131,7 @@ class Case:
 
     def wrong(self) -> int:
         """Elements that differ from a reference computed from every rank's (reproducible) input."""
-        comm, n, dtype = self.comm, self.comm.size, self.send.dtype
+        comm, n, dtype = self.comm, self.comm.size, np.dtype(self.send.dtype)
         inputs = [_input_of(r, self) for r in range(n)]
         c = self.collective
         if c in ("all_reduce", "reduce_scatter", "reduce"):
@@ -136,12 +148,13 @@ class Case:
             got = self.recv
         else:
             expected, got = inputs[self.root], self.recv
+        got = got if self.xp is np else self.xp.asnumpy(got)
         return int(np.count_nonzero(~_close(got, expected)))
 
 
 def _input_of(rank: int, case: Case) -> np.ndarray:
     rng = np.random.default_rng(1234 + rank)
-    k, dtype = case.original.size, case.original.dtype
+    k, dtype = case.original.size, np.dtype(case.original.dtype)
     if dtype.kind in "iu":
         return rng.integers(0, 8, k).astype(dtype)
     return rng.integers(-4, 5, k).astype(np.float32).astype(dtype)
@@ -167,8 +180,10 @@ def _close(got, expected):
 def timed(comm, case: Case, policy) -> tuple[float, dict]:
     comm.set_path_policy(policy.base if isinstance(policy, Repeat) else policy)
     comm.barrier()
+    case.sync()
     t0 = time.perf_counter()
     case.run()
+    case.sync()
     dt = time.perf_counter() - t0
     return dt, comm.last_stats() or {}
 
@@ -253,7 +268,16 @@ def main(argv=None) -> int:
                     help="comma list of policies run interleaved, e.g. up,up,adaptive (a repeat is an A/A control)")
     ap.add_argument("--in-place", action="store_true", help="in-place variant (all_reduce)")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
+    ap.add_argument("--memory", choices=("host", "device"), default="host",
+                    help="buffers in host memory (numpy) or GPU memory (cupy; needs a GPU)")
     ns = ap.parse_args(argv)
+    if ns.memory == "device":
+        try:
+            import cupy
+
+            cupy.cuda.runtime.getDeviceCount()
+        except Exception as exc:  # no cupy, no driver, no device
+            ap.error(f"--memory device needs cupy and a GPU ({type(exc).__name__}: {exc})")
 
     import mpccs
 
@@ -270,7 +294,7 @@ def main(argv=None) -> int:
     if comm.rank == 0:
         print(header(comm, ns, policies), flush=True)
     for index, nbytes in enumerate(size_list):
-        case = Case(comm, ns.collective, nbytes, dtype, ns.op, ns.root, ns.in_place)
+        case = Case(comm, ns.collective, nbytes, dtype, ns.op, ns.root, ns.in_place, ns.memory)
         times, shares, last = measure(comm, case, policies, ns.iters, ns.warmup_iters)
         wrong = case.wrong() if ns.check else 0
         wrong_total = np.array([wrong], dtype=np.int64)
@@ -321,7 +345,7 @@ def header(comm, ns, policies) -> str:
         cols += "  x_up"
     return "\n".join([
         f"# mpccs-perf {ns.collective}  mpccs {__version__}  UCX {ucx_version()}  nranks {comm.size}",
-        f"# planes: {planes}",
+        f"# planes: {planes}; buffers in {'GPU memory (cupy, staged through pinned host mirrors)' if ns.memory == 'device' else 'host memory'}",
         f"# iters {ns.iters} warmup {ns.warmup_iters}; time = median over iterations of the slowest rank (us); GB/s = 1e9 B/s",
         f"# policies: {', '.join(policy_label(p) for p in policies)}",
         "#",

@@ -80,3 +80,16 @@ def test_gloo_peer_rows_share_the_perf_schema(tmp_path):
     data = json.loads(out.read_text())
     assert "gloo" in data["meta"]["peer"]
     assert [r["policy"] for r in data["rows"]] == ["gloo", "gloo"]
+
+
+def test_device_memory_without_a_gpu_is_refused_before_any_rank_starts(capsys):
+    import importlib.util
+
+    from mpccs.perf import main
+
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("cupy is installed: the refusal needs a machine without it")
+    with pytest.raises(SystemExit) as exc:
+        main(["all_reduce", "--memory", "device"])
+    assert exc.value.code == 2
+    assert "--memory device needs cupy and a GPU" in capsys.readouterr().err
