@@ -313,6 +313,14 @@ class InFlow:
     def done(self) -> bool:
         return self.arrived == self.nchunks
 
+    def recut(self, chunk_elems: int) -> None:
+        """The sender's chunk length, learnt before any of its chunks was accepted."""
+        if any(self.seen):
+            raise AssertionError("a flow is recut after chunks were accepted")
+        self.chunk_elems = chunk_elems
+        self.nchunks = chunk_count(self.flow.count, chunk_elems)
+        self.seen = bytearray(self.nchunks)
+
     def claim(self, probe, itemsize: int) -> tuple[int, int, int]:
         """Validate a probed chunk and mark it seen: (index, element offset, element count).
 
@@ -441,12 +449,13 @@ class Operation:
         }
 
 
-def check_fingerprint(op: "Operation", message: np.ndarray, peer: int, abort_peers, abort_seq: int) -> None:
+def check_fingerprint(op: "Operation", message: np.ndarray, peer: int, abort_peers, abort_seq: int):
     """Compare the fingerprint at the start of a peer's message with ``op.fingerprint``;
-    on a difference tell ``abort_peers`` and raise MismatchError saying what differs."""
+    on a difference tell ``abort_peers`` and raise MismatchError saying what differs.
+    Returns the peer's fingerprint where its words differ from ours (None: the same)."""
     mine = op.fingerprint
     if message[:FP_BYTES].tobytes() == mine.raw:
-        return  # the same words: nothing can differ (the common case, ~3 us of decoding saved)
+        return None  # the same words: nothing can differ (the common case, ~3 us of decoding saved)
     theirs = Fingerprint.decode(message[:FP_BYTES].view(np.uint64))
     diffs = mine.differences(theirs)
     if diffs:
@@ -456,6 +465,7 @@ def check_fingerprint(op: "Operation", message: np.ndarray, peer: int, abort_pee
         err = MismatchError(text)
         err.peers_told = True
         raise err
+    return theirs
 
 
 @dataclass(frozen=True)
@@ -550,6 +560,7 @@ class CollectiveOp(Operation):
         self.splitter = splitter
         self.itemsize = self.dtype.itemsize
         self.plan_chunk_elems = max(1, chunk_bytes // self.itemsize)
+        self.peer_chunk_elems: dict[int, int] = {}  # senders that cut by another chunk (fingerprints)
         self.min_chunk_elems = max(1, MIN_CHUNK_BYTES // self.itemsize)
         self.finalize = finalize
         rank = engine.rank
@@ -624,7 +635,9 @@ class CollectiveOp(Operation):
             except Exception as exc:  # e.g. longer than any fingerprint: truncated
                 raise ProtocolError(f"malformed fingerprint message: {type(exc).__name__}: {exc}",
                                     rank=self.rank, peer=peer, op=self.name) from None
-            check_fingerprint(self, self._fp_bufs[row], peer, self.fp_peers, self.seq)
+            theirs = check_fingerprint(self, self._fp_bufs[row], peer, self.fp_peers, self.seq)
+            if theirs is not None and theirs.chunk_log2 != self.fingerprint.chunk_log2:
+                self._follow_senders_chunk(peer, 1 << theirs.chunk_log2)
             if self._fp_blob_cap:
                 if self._fp_bufs[row][FP_BYTES] != DECLARES_SAFE:
                     self._peer_carries.add(peer)
@@ -634,6 +647,20 @@ class CollectiveOp(Operation):
         if not still:
             self._resolve_protection()
         return len(still) < before
+
+    def _follow_senders_chunk(self, peer: int, chunk_bytes: int) -> None:
+        """The peer cuts its flows by another chunk than ours (a sender on one plane only
+        uses larger ones, comm._chunk_for): its flows to us are cut the same way here.
+        No chunk of the peer has been claimed yet (claims wait for this check)."""
+        self.peer_chunk_elems[peer] = max(1, chunk_bytes // self.itemsize)
+        for run in self.active:
+            for inflow in run.ins:
+                if inflow.peer == peer:
+                    inflow.recut(self._inflow_chunk_elems(inflow.flow))
+
+    def _inflow_chunk_elems(self, f: Flow) -> int:
+        plan = self.peer_chunk_elems.get(f.src, self.plan_chunk_elems)
+        return flow_chunk_elems(f.count, plan, self.min_chunk_elems)
 
     def _resolve_protection(self) -> None:
         """Waive the DONE round when every rank declared it sends nothing on a
@@ -698,8 +725,7 @@ class CollectiveOp(Operation):
         ins = []
         for f in mine_in:
             view, acc = self._receive_target(f)
-            ce = flow_chunk_elems(f.count, self.plan_chunk_elems, self.min_chunk_elems)
-            ins.append(InFlow(f, view, ce, wire.make_tag(wire.KIND_COLL, comm_id, self.wire_seq, f.id),
+            ins.append(InFlow(f, view, self._inflow_chunk_elems(f), wire.make_tag(wire.KIND_COLL, comm_id, self.wire_seq, f.id),
                               self.engine.planes_from(f.src), acc))
         self.active.append(StageRun(stage, outs, ins, plan, now))
 
@@ -1084,6 +1110,7 @@ class CollectiveOp(Operation):
         out = super().stats()
         out.update(
             algorithm=self.schedule.algorithm, channels=self.schedule.channels,
+            chunk_bytes=self.plan_chunk_elems * self.itemsize,
             policy=self.splitter.name, stages=self.stage_log,
             protected=self.protected, protection_waived=self.protection_waived,
         )

@@ -6,7 +6,8 @@ dtypes, ops or roots get a MismatchError that says exactly what differs,
 instead of a hang or silently wrong data (same bytes, different dtype or op).
 
 Wire form: two little-endian uint64 words.
-  word 0: collective (4 bits) | op (4) | dtype (6) | algorithm (4) | root (20) | chunk log2 (6)
+  word 0: collective (4 bits) | op (4) | dtype (6) | algorithm (4) | root (20) | sender's chunk log2 (6)
+          | protected (1: runs under the failover protocol, which ranks must agree on)
   word 1: count (elements, or 2**64-1 when ranks may legitimately differ: all_to_allv)
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Fingerprint:
     root: int
     chunk_log2: int
     count: int
+    protected: bool = False
 
     def encode(self) -> np.ndarray:
         return self._words
@@ -51,6 +53,7 @@ class Fingerprint:
             | (_ALGORITHMS.index(self.algorithm) << 14)
             | ((self.root & 0xFFFFF) << 18)
             | ((self.chunk_log2 & 0x3F) << 38)
+            | (int(self.protected) << 44)
         )
         return np.array([word0, self.count], dtype=np.uint64)
 
@@ -65,6 +68,7 @@ class Fingerprint:
             root=(w0 >> 18) & 0xFFFFF,
             chunk_log2=(w0 >> 38) & 0x3F,
             count=count,
+            protected=bool((w0 >> 44) & 1),
         )
 
     def describe(self) -> str:
@@ -73,11 +77,18 @@ class Fingerprint:
                 f"algorithm={self.algorithm}, chunk=2**{self.chunk_log2})")
 
     def differences(self, other: "Fingerprint") -> list[str]:
+        """What makes the two calls different operations. Not the chunk size: each
+        sender picks its own (larger when it sends on one plane only) and its
+        receivers cut its flows by the sender's chunk (engine.CollectiveOp)."""
         out = []
-        for name in ("collective", "count", "dtype", "op", "root", "algorithm", "chunk_log2"):
+        for name in ("collective", "count", "dtype", "op", "root", "algorithm"):
             a, b = getattr(self, name), getattr(other, name)
             if a != b and not (name == "count" and ANY_COUNT in (a, b)):
                 out.append(f"{name} {a} vs {b}")
+        if self.protected != other.protected:
+            # the DONE round would wait forever on the rank that skips it
+            out.append(f"failover protection {'on' if self.protected else 'off'} vs "
+                       f"{'on' if other.protected else 'off'} (set the same path policy and MPCCS_FAILOVER on every rank)")
         return out
 
 
@@ -94,10 +105,11 @@ def _safe(values, index: int) -> str:
 
 
 @functools.lru_cache(maxsize=1024)
-def make(collective: str, op: str, dtype, algorithm: str, root, chunk_bytes: int, count) -> Fingerprint:
+def make(collective: str, op: str, dtype, algorithm: str, root, chunk_bytes: int, count,
+         protected: bool = False) -> Fingerprint:
     """Cached: the same call shape on every step of a training loop costs a dict lookup."""
     return Fingerprint(
         collective=collective, op=op, dtype=str(np.dtype(dtype)), algorithm=algorithm,
         root=root or 0, chunk_log2=max(0, int(chunk_bytes).bit_length() - 1),
-        count=ANY_COUNT if count is None else int(count),
+        count=ANY_COUNT if count is None else int(count), protected=bool(protected),
     )

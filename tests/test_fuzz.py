@@ -146,8 +146,9 @@ def _rogue_messages(comm, case):
 
     plan = comm._schedule(call, COUNT, nbytes)
     schedule = plan.schedule
+    protected = comm._protected(nbytes, plan.single_plane)  # what the victim runs under (fingerprinted)
     fp = fingerprint.make(call, "sum", np.float32, schedule.algorithm, schedule.root, plan.chunk_bytes,
-                          schedule.count)
+                          schedule.count, protected)
     fp_tag = wire.make_tag(wire.KIND_CTRL, cid, seq, 1, wire.CTRL_FINGERPRINT)
     first = {s.id for s in schedule.stages if not s.deps}
     flows = [f for s in schedule.stages if s.id in first for f in s.flows if f.src == 1 and f.dst == 0]

@@ -20,6 +20,9 @@ def mismatched(comm, kind):
             comm.all_reduce(x, op="sum" if r == 0 else "max")
         elif kind == "root":
             comm.broadcast(x, root=r)
+        elif kind == "policy":  # one rank protected (0.5 puts bytes on 'out'), one not ('up')
+            comm.set_path_policy("up" if r == 0 else 0.5)
+            comm.all_reduce(np.ones(1 << 19, np.float32))
         elif kind == "collective":
             if r == 0:
                 comm.all_reduce(x)
@@ -35,7 +38,7 @@ def mismatched(comm, kind):
     return None
 
 
-@pytest.mark.parametrize("kind", ["size", "dtype", "op", "root", "collective"])
+@pytest.mark.parametrize("kind", ["size", "dtype", "op", "root", "collective", "policy"])
 def test_mismatched_calls_raise_on_every_rank(kind):
     pool = RankPool(2, env={"MPCCS_TIMEOUT": "20"})
     try:
@@ -49,6 +52,8 @@ def test_mismatched_calls_raise_on_every_rank(kind):
         name, message, after = result
         assert name in ("MismatchError", "ProtocolError"), message
         assert after == "aborted"
+        if kind == "policy":  # a DONE round one rank skips used to wait out the no-progress timeout
+            assert "failover protection" in message, message
     assert elapsed < 15, f"mismatch took {elapsed:.1f} s to surface (a timeout, not detection)"
 
 
