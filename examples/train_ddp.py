@@ -41,6 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-overlap", action="store_true", help="hook: finish each bucket inside its own hook call")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank (1)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the model and batches live (cuda: every rank on GPU 0; gradients reach mpccs "
+                        "through pinned host copies)")
     ns = p.parse_args(argv)
     if ns.steps < 1 or ns.warmup < 0 or ns.hidden < 1 or ns.layers < 1 or ns.batch < 1 or ns.bucket_mb <= 0:
         p.error("--steps, --hidden, --layers, --batch must be positive, --warmup >= 0, --bucket-mb > 0")
@@ -70,6 +73,11 @@ def main(args) -> int:
     dist.init_process_group("mpccs" if args.backend == "mpccs-pg" else "gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
 
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("train_ddp: --device cuda but this torch sees no GPU")
+        torch.cuda.set_device(0)
     torch.manual_seed(args.seed)  # same weights everywhere
     dims = [args.features] + [args.hidden] * args.layers + [args.classes]
     layers = []
@@ -77,8 +85,8 @@ def main(args) -> int:
         layers.append(torch.nn.Linear(a, b))
         if i < len(dims) - 2:
             layers.append(torch.nn.ReLU())
-    model = torch.nn.Sequential(*layers)
-    ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
+    model = torch.nn.Sequential(*layers).to(device)
+    ddp = DDP(model, bucket_cap_mb=args.bucket_mb, device_ids=[0] if device.type == "cuda" else None)
     comm = state = None
     if args.backend == "mpccs":
         state = mt.hook_state(overlap=not args.no_overlap)  # an mpccs communicator over the gloo group's store
@@ -89,23 +97,26 @@ def main(args) -> int:
     if comm is not None and args.policy is not None:
         comm.set_path_policy(args.policy)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
-    teacher = torch.randn(args.features, args.classes, generator=torch.Generator().manual_seed(args.seed + 10_000))
+    teacher = torch.randn(args.features, args.classes,
+                          generator=torch.Generator().manual_seed(args.seed + 10_000)).to(device)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)  # this rank's shard
     n_params = sum(p.numel() for p in model.parameters())
     if rank == 0:
-        print(f"train_ddp: {size} rank(s), backend {args.backend}, {n_params} parameters, "
+        print(f"train_ddp: {size} rank(s), backend {args.backend}, {n_params} parameters on {device}, "
               f"policy {comm.path_policy if comm is not None else 'n/a'}", flush=True)
 
     report_every = max(1, args.steps // 10)
     step_times, losses = [], []
     for step in range(1, args.steps + 1):
-        x = torch.randn(args.batch, args.features, generator=gen)
+        x = torch.randn(args.batch, args.features, generator=gen).to(device)
         y = torch.argmax(x @ teacher, dim=1)
         t0 = time.perf_counter()
         loss = torch.nn.functional.cross_entropy(ddp(x), y)
         opt.zero_grad(set_to_none=False)
         loss.backward()
         opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the step ends when the GPU's work does
         step_times.append(time.perf_counter() - t0)
         value = loss.item()
         if step == 1 or step == args.steps or step % report_every == 0:
@@ -118,7 +129,7 @@ def main(args) -> int:
 
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().contiguous().numpy().tobytes())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
     digest = torch.tensor([int.from_bytes(h.digest()[:8], "little") >> 1], dtype=torch.int64)
     digests = [torch.zeros_like(digest) for _ in range(size)]
     dist.all_gather(digests, digest)
@@ -127,7 +138,7 @@ def main(args) -> int:
     result = {
         "example": "train_ddp", "backend": args.backend, "ranks": size, "steps": args.steps, "warmup": args.warmup,
         "measured_steps": len(measured), "mean_step_ms": round(1e3 * sum(measured) / len(measured), 4),
-        "params": n_params, "hidden": args.hidden, "bucket_mb": args.bucket_mb,
+        "params": n_params, "hidden": args.hidden, "bucket_mb": args.bucket_mb, "device": str(device),
         "policy": str(comm.path_policy) if comm is not None else None,
         "hook_buckets": state.buckets if state is not None else None,
         "first_loss": round(losses[0], 6), "final_loss": round(losses[-1], 6), "weights_identical": identical,
