@@ -544,9 +544,9 @@ class Communicator:
         """Reduce ``send`` over all ranks into ``recv`` (in place when recv is None)."""
         self._check_usable()
         if staging.any_on_device(send, recv):
+            staging.check_device_arrays({"send": send, "recv": recv})
             if self._device_reduces("all_reduce", send):
                 out = send if recv is None else recv
-                staging.check_device_arrays({"send": send, "recv": recv})
                 arrays.same_dtype(send, out)
                 arrays.check_size(out.size, send.size, "recv")
                 arrays.check_op(op, send.dtype)
@@ -568,13 +568,13 @@ class Communicator:
     def reduce_scatter(self, send, recv, op: str = "sum", *, async_op: bool = False, algorithm=None):
         """Rank i receives the reduction of block i (send.size == size * recv.size)."""
         self._check_usable()
-        if staging.any_on_device(send, recv) and self._device_reduces("reduce_scatter", send):
-            staging.check_device_arrays({"send": send, "recv": recv})
-            arrays.same_dtype(send, recv)
-            arrays.check_size(send.size, self.size * recv.size, "send (size x recv)")
-            arrays.check_op(op, send.dtype)
-            return self._reduce_on_device("reduce_scatter", send, recv, op, None, async_op, recv)
         if staging.any_on_device(send, recv):
+            staging.check_device_arrays({"send": send, "recv": recv})
+            if self._device_reduces("reduce_scatter", send):
+                arrays.same_dtype(send, recv)
+                arrays.check_size(send.size, self.size * recv.size, "send (size x recv)")
+                arrays.check_op(op, send.dtype)
+                return self._reduce_on_device("reduce_scatter", send, recv, op, None, async_op, recv)
             return self._via_host({"send": send, "recv": recv}, ["send"], ["recv"], "recv", lambda h: self.reduce_scatter(
                 h["send"], h["recv"], op, async_op=True, algorithm=algorithm), async_op)
         s = arrays.check_array(send, "send")
@@ -646,15 +646,15 @@ class Communicator:
         """Reduction over ranks into ``recv`` on ``root`` (in place on root when recv is None)."""
         self._check_usable()
         root = self._check_root(root)
-        if staging.any_on_device(send, recv if self.rank == root else None) and self._device_reduces("reduce", send):
-            out = None if self.rank != root else (send if recv is None else recv)
-            staging.check_device_arrays({"send": send, "recv": out})
-            if out is not None:
-                arrays.same_dtype(send, out)
-                arrays.check_size(out.size, send.size, "recv")
-            arrays.check_op(op, send.dtype)
-            return self._reduce_on_device("reduce", send, out, op, root, async_op, out)
         if staging.any_on_device(send, recv if self.rank == root else None):
+            staging.check_device_arrays({"send": send, "recv": recv if self.rank == root else None})
+            if self._device_reduces("reduce", send):
+                dev_out = None if self.rank != root else (send if recv is None else recv)
+                if dev_out is not None:
+                    arrays.same_dtype(send, dev_out)
+                    arrays.check_size(dev_out.size, send.size, "recv")
+                arrays.check_op(op, send.dtype)
+                return self._reduce_on_device("reduce", send, dev_out, op, root, async_op, dev_out)
             out = None if self.rank != root else ("send" if recv is None else "recv")
             mine = {"send": send, "recv": recv if self.rank == root else None}
             return self._via_host(mine, ["send"], [out] if out else [], out, lambda h: self.reduce(
