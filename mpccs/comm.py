@@ -27,7 +27,7 @@ from .windows import OUT, UP
 
 DEFAULT_WINDOW_BYTES = {UP: 4 << 20, OUT: 4 << 20}
 DEFAULT_CHUNK_BYTES = 1 << 20
-SINGLE_PLANE_CHUNK_BYTES = 1 << 20  # a sender on one plane only: comm._chunk_for
+SINGLE_PLANE_CHUNK_BYTES = 1 << 20  # a sender on one plane only: comm._chunking_for
 DIRECT_MAX_RANKS = 8  # the direct small all_reduce sends p - 1 messages per rank
 # What the tuner assumes a reduction costs (bytes of output per second). A
 # prior, identical on every rank: plans must not depend on local measurements.
@@ -449,11 +449,12 @@ class Communicator:
         settled = epoch is not None and self._engine.controller.settled(epoch, nbytes)
         splitter = self._splitter(single_plane=plan.single_plane, settled=settled)
         carries = self._may_carry_failable(epoch) if protected and self._policy == "adaptive" else None
-        chunk_bytes = self._chunk_for(plan, settled or carries is False)
+        chunk_bytes, whole_flows = self._chunking_for(plan, settled or carries is False)
         fp = None
         if self.options.fingerprint:
             count = None if name == "all_to_allv" else schedule.count
-            fp = fingerprint.make(name, op, dtype, schedule.algorithm, schedule.root, chunk_bytes, count, protected)
+            fp = fingerprint.make(name, op, dtype, schedule.algorithm, schedule.root, chunk_bytes, count, protected,
+                                  whole_flows)
         snapshot, unsaved = None, False
         if protected and name in ("all_reduce", "reduce") and np.shares_memory(buffers["in"], buffers["out"]):
             # The retry restarts from the caller's input. Under 'adaptive', when
@@ -466,24 +467,32 @@ class Communicator:
                 snapshot = buffers["in"].copy()
         cop = CollectiveOp(self._engine, self._next_seq(), schedule, buffers, dtype, op, splitter,
                            chunk_bytes, name, finalize, fp, protected=protected, snapshot=snapshot,
-                           input_unsaved=unsaved, epoch=epoch, carries_failable=carries)
+                           input_unsaved=unsaved, epoch=epoch, carries_failable=carries, whole_flows=whole_flows)
         return self._submit(cop, result, async_op)
 
-    def _chunk_for(self, plan: "CallPlan", up_only: bool) -> int:
-        """The chunk this rank cuts its flows by. The tuner's is fine enough for a
-        split to land near its share (8-16 chunks a step); a rank that sends on one
-        plane only in this operation (a single-plane policy or plan, or 'adaptive'
-        settled on 'up') needs no such granularity, and 1 MiB chunks cut the
-        per-chunk work: 1.2-1.33x at 1-2 MiB, 1.1-1.2x at 4 MiB, 1.08-1.10x at 8 MiB,
-        even from 32 MiB (all_reduce on 'up', interleaved A/B). Receivers learn a
-        sender's chunk from its fingerprint, so ranks need not agree; without
-        fingerprints, or with MPCCS_CHUNK set, every rank keeps the planned chunk.
-        The pipelined chain keeps the tuner's chunk: there it sets the overlap."""
+    def _chunking_for(self, plan: "CallPlan", up_only: bool) -> tuple[int, bool]:
+        """How this rank cuts its flows: (chunk bytes, whole flows). The tuner's chunk,
+        and at least 4 chunks a flow, let a split land near its share; a rank that
+        sends on one plane only in this operation (a single-plane policy or plan, or
+        'adaptive' settled on 'up') needs no such granularity and sends each flow in
+        chunks of up to 1 MiB, no finer: per-chunk work was what it paid for (all_reduce
+        on 'up', interleaved A/B, two runs each: 1 MiB chunks over the tuner's
+        1.29-1.34x at 1 MiB, 1.21-1.23x at 2 MiB, 1.08-1.10x at 8 MiB; then whole flows
+        over 4 chunks a flow 1.16x at 256 KiB, 1.39-1.40x at 512 KiB, 1.32-1.36x at
+        1 MiB, 1.24x at 2 MiB, 1.02-1.06x at 4 MiB). Receivers learn a sender's
+        chunking from its fingerprint, so ranks need not agree; without fingerprints,
+        or with MPCCS_CHUNK set, every rank keeps the planned chunking. The pipelined
+        chain keeps the tuner's: there the chunk sets the overlap."""
         if (self.options.chunk_bytes is not None or not self.options.fingerprint
                 or plan.schedule.algorithm == "pipeline"):
-            return plan.chunk_bytes
-        one_plane = plan.single_plane or up_only or self._policy in (UP, OUT) or len(self._planes) < 2
-        return max(plan.chunk_bytes, SINGLE_PLANE_CHUNK_BYTES) if one_plane else plan.chunk_bytes
+            return plan.chunk_bytes, False
+        policy = self._policy
+        # (the tuner's single-plane hint binds 'adaptive' only: a fixed fraction splits whatever it says)
+        one_plane = (policy in (UP, OUT) or len(self._planes) < 2
+                     or (policy == "adaptive" and (plan.single_plane or up_only)))
+        if not one_plane:
+            return plan.chunk_bytes, False
+        return max(plan.chunk_bytes, SINGLE_PLANE_CHUNK_BYTES), True
 
     def _multipath_eligible(self, nbytes: int, single_plane: bool) -> bool:
         """An adaptive call the controller may split (deterministic: the same on every rank)."""

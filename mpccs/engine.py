@@ -38,6 +38,7 @@ from .telemetry import wall
 from .windows import OUT, UP, FlowCursor, boundary_for, chunk_count, chunk_range, flow_chunk_elems
 
 MIN_CHUNK_BYTES = 64 << 10
+FLOW_MIN_CHUNKS = 4  # a flow that may be split is cut into at least this many chunks (windows.flow_chunk_elems)
 FP_BYTES = 16  # a fingerprint's two uint64 words
 # Under 'adaptive' a byte after the fingerprint declares whether the sender may
 # put bytes of this operation on a failable plane (0: no declaration, e.g. a
@@ -524,7 +525,7 @@ class CollectiveOp(Operation):
                  splitter: Splitter, chunk_bytes: int, name: str, finalize: Optional[Callable] = None,
                  fingerprint=None, protected: bool = False, snapshot: Optional[np.ndarray] = None,
                  input_unsaved: bool = False, epoch: Optional[int] = None,
-                 carries_failable: Optional[bool] = None):
+                 carries_failable: Optional[bool] = None, whole_flows: bool = False):
         super().__init__(engine, seq)
         # Failover (docs/reliability.md): a protected operation completes only
         # once every rank has all its data (the DONE round), so no rank has
@@ -560,7 +561,11 @@ class CollectiveOp(Operation):
         self.splitter = splitter
         self.itemsize = self.dtype.itemsize
         self.plan_chunk_elems = max(1, chunk_bytes // self.itemsize)
-        self.peer_chunk_elems: dict[int, int] = {}  # senders that cut by another chunk (fingerprints)
+        # A rank on one plane cuts flows into chunks of up to plan_chunk_elems and no
+        # finer (1 chunk min); one that splits keeps at least 4 per flow for both planes.
+        self.flow_min_chunks = 1 if whole_flows else FLOW_MIN_CHUNKS
+        # senders that cut another way (from their fingerprints): src -> (chunk elems, min chunks)
+        self.peer_chunking: dict[int, tuple[int, int]] = {}
         self.min_chunk_elems = max(1, MIN_CHUNK_BYTES // self.itemsize)
         self.finalize = finalize
         rank = engine.rank
@@ -636,8 +641,9 @@ class CollectiveOp(Operation):
                 raise ProtocolError(f"malformed fingerprint message: {type(exc).__name__}: {exc}",
                                     rank=self.rank, peer=peer, op=self.name) from None
             theirs = check_fingerprint(self, self._fp_bufs[row], peer, self.fp_peers, self.seq)
-            if theirs is not None and theirs.chunk_log2 != self.fingerprint.chunk_log2:
-                self._follow_senders_chunk(peer, 1 << theirs.chunk_log2)
+            mine = self.fingerprint
+            if theirs is not None and (theirs.chunk_log2, theirs.whole_flows) != (mine.chunk_log2, mine.whole_flows):
+                self._follow_senders_chunking(peer, 1 << theirs.chunk_log2, theirs.whole_flows)
             if self._fp_blob_cap:
                 if self._fp_bufs[row][FP_BYTES] != DECLARES_SAFE:
                     self._peer_carries.add(peer)
@@ -648,19 +654,19 @@ class CollectiveOp(Operation):
             self._resolve_protection()
         return len(still) < before
 
-    def _follow_senders_chunk(self, peer: int, chunk_bytes: int) -> None:
-        """The peer cuts its flows by another chunk than ours (a sender on one plane only
-        uses larger ones, comm._chunk_for): its flows to us are cut the same way here.
-        No chunk of the peer has been claimed yet (claims wait for this check)."""
-        self.peer_chunk_elems[peer] = max(1, chunk_bytes // self.itemsize)
+    def _follow_senders_chunking(self, peer: int, chunk_bytes: int, whole_flows: bool) -> None:
+        """The peer cuts its flows otherwise than we do (a sender on one plane only cuts
+        whole flows of up to 1 MiB, comm._chunking_for): its flows to us are cut the same
+        way here. No chunk of the peer has been claimed yet (claims wait for this check)."""
+        self.peer_chunking[peer] = (max(1, chunk_bytes // self.itemsize), 1 if whole_flows else FLOW_MIN_CHUNKS)
         for run in self.active:
             for inflow in run.ins:
                 if inflow.peer == peer:
                     inflow.recut(self._inflow_chunk_elems(inflow.flow))
 
     def _inflow_chunk_elems(self, f: Flow) -> int:
-        plan = self.peer_chunk_elems.get(f.src, self.plan_chunk_elems)
-        return flow_chunk_elems(f.count, plan, self.min_chunk_elems)
+        plan, min_chunks = self.peer_chunking.get(f.src, (self.plan_chunk_elems, self.flow_min_chunks))
+        return flow_chunk_elems(f.count, plan, self.min_chunk_elems, min_chunks)
 
     def _resolve_protection(self) -> None:
         """Waive the DONE round when every rank declared it sends nothing on a
@@ -719,7 +725,7 @@ class CollectiveOp(Operation):
             self.window = plan.window_bytes
             for f in mine_out:
                 view = self._send_view(f)
-                ce = flow_chunk_elems(f.count, self.plan_chunk_elems, self.min_chunk_elems)
+                ce = flow_chunk_elems(f.count, self.plan_chunk_elems, self.min_chunk_elems, self.flow_min_chunks)
                 tag = wire.make_tag(wire.KIND_COLL, comm_id, self.wire_seq, f.id)
                 outs.append(OutFlow(f, view, ce, plan.splits[f.id], tag, self._reach(f.dst)))
         ins = []
@@ -1110,7 +1116,7 @@ class CollectiveOp(Operation):
         out = super().stats()
         out.update(
             algorithm=self.schedule.algorithm, channels=self.schedule.channels,
-            chunk_bytes=self.plan_chunk_elems * self.itemsize,
+            chunk_bytes=self.plan_chunk_elems * self.itemsize, whole_flows=self.flow_min_chunks == 1,
             policy=self.splitter.name, stages=self.stage_log,
             protected=self.protected, protection_waived=self.protection_waived,
         )

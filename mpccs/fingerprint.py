@@ -8,6 +8,7 @@ instead of a hang or silently wrong data (same bytes, different dtype or op).
 Wire form: two little-endian uint64 words.
   word 0: collective (4 bits) | op (4) | dtype (6) | algorithm (4) | root (20) | sender's chunk log2 (6)
           | protected (1: runs under the failover protocol, which ranks must agree on)
+          | whole flows (1: the sender does not cut flows finer than its chunk; not compared)
   word 1: count (elements, or 2**64-1 when ranks may legitimately differ: all_to_allv)
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Fingerprint:
     chunk_log2: int
     count: int
     protected: bool = False
+    whole_flows: bool = False
 
     def encode(self) -> np.ndarray:
         return self._words
@@ -54,6 +56,7 @@ class Fingerprint:
             | ((self.root & 0xFFFFF) << 18)
             | ((self.chunk_log2 & 0x3F) << 38)
             | (int(self.protected) << 44)
+            | (int(self.whole_flows) << 45)
         )
         return np.array([word0, self.count], dtype=np.uint64)
 
@@ -69,6 +72,7 @@ class Fingerprint:
             chunk_log2=(w0 >> 38) & 0x3F,
             count=count,
             protected=bool((w0 >> 44) & 1),
+            whole_flows=bool((w0 >> 45) & 1),
         )
 
     def describe(self) -> str:
@@ -77,9 +81,9 @@ class Fingerprint:
                 f"algorithm={self.algorithm}, chunk=2**{self.chunk_log2})")
 
     def differences(self, other: "Fingerprint") -> list[str]:
-        """What makes the two calls different operations. Not the chunk size: each
-        sender picks its own (larger when it sends on one plane only) and its
-        receivers cut its flows by the sender's chunk (engine.CollectiveOp)."""
+        """What makes the two calls different operations. Not the chunking: each
+        sender picks its own (whole flows of up to 1 MiB when it sends on one plane
+        only) and its receivers cut its flows the sender's way (engine.CollectiveOp)."""
         out = []
         for name in ("collective", "count", "dtype", "op", "root", "algorithm"):
             a, b = getattr(self, name), getattr(other, name)
@@ -106,10 +110,11 @@ def _safe(values, index: int) -> str:
 
 @functools.lru_cache(maxsize=1024)
 def make(collective: str, op: str, dtype, algorithm: str, root, chunk_bytes: int, count,
-         protected: bool = False) -> Fingerprint:
+         protected: bool = False, whole_flows: bool = False) -> Fingerprint:
     """Cached: the same call shape on every step of a training loop costs a dict lookup."""
     return Fingerprint(
         collective=collective, op=op, dtype=str(np.dtype(dtype)), algorithm=algorithm,
         root=root or 0, chunk_log2=max(0, int(chunk_bytes).bit_length() - 1),
         count=ANY_COUNT if count is None else int(count), protected=bool(protected),
+        whole_flows=bool(whole_flows),
     )

@@ -27,4 +27,4 @@ def mixed_policies(comm, policies: list, collective: str, count: int):
         want = np.concatenate([v[rank * count:(rank + 1) * count] for v in xs])
     stats = comm.last_stats()
     comm.set_path_policy("adaptive")
-    return bool(np.array_equal(out, want)), stats["chunk_bytes"]
+    return bool(np.array_equal(out, want)), (stats["chunk_bytes"], stats["whole_flows"])
