@@ -552,7 +552,9 @@ class Communicator:
     def all_reduce(self, send, recv=None, op: str = "sum", *, async_op: bool = False, algorithm=None):
         """Reduce ``send`` over all ranks into ``recv`` (in place when recv is None)."""
         self._check_usable()
-        if staging.any_on_device(send, recv):
+        # numpy arrays pass with two type checks: the 8-byte all_reduce is the latency figure
+        if (type(send) is not np.ndarray or (recv is not None and type(recv) is not np.ndarray)) \
+                and staging.any_on_device(send, recv):
             staging.check_device_arrays({"send": send, "recv": recv})
             if self._device_reduces("all_reduce", send):
                 out = send if recv is None else recv

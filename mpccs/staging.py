@@ -50,7 +50,12 @@ def is_device_array(arr) -> bool:
 
 
 def any_on_device(*arrays) -> bool:
-    return any(is_device_array(a) for a in arrays if a is not None)
+    """On every public call: numpy arrays answer with one type check (the 8-byte
+    all_reduce is ~20 us, and a generator over the arguments cost 1.5 of them)."""
+    for a in arrays:
+        if a is not None and type(a) is not np.ndarray and type(a).__module__.startswith("cupy"):
+            return True
+    return False
 
 
 # ---------------------------------------------------------------------------
