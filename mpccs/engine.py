@@ -35,10 +35,9 @@ from .health import PlaneHealth
 from .prologue import DeferredCopies
 from .reduce import reduce_into, reduce_to
 from .telemetry import wall
-from .windows import OUT, UP, FlowCursor, boundary_for, chunk_count, chunk_range, flow_chunk_elems
+from .windows import OUT, UP, FlowCursor, boundary_for, chunk_count, chunk_range, flow_chunk_elems, flow_min_chunks
 
 MIN_CHUNK_BYTES = 64 << 10
-FLOW_MIN_CHUNKS = 4  # a flow that may be split is cut into at least this many chunks (windows.flow_chunk_elems)
 FP_BYTES = 16  # a fingerprint's two uint64 words
 # Under 'adaptive' a byte after the fingerprint declares whether the sender may
 # put bytes of this operation on a failable plane (0: no declaration, e.g. a
@@ -563,7 +562,7 @@ class CollectiveOp(Operation):
         self.plan_chunk_elems = max(1, chunk_bytes // self.itemsize)
         # A rank on one plane cuts flows into chunks of up to plan_chunk_elems and no
         # finer (1 chunk min); one that splits keeps at least 4 per flow for both planes.
-        self.flow_min_chunks = 1 if whole_flows else FLOW_MIN_CHUNKS
+        self.flow_min_chunks = flow_min_chunks(whole_flows)
         # senders that cut another way (from their fingerprints): src -> (chunk elems, min chunks)
         self.peer_chunking: dict[int, tuple[int, int]] = {}
         self.min_chunk_elems = max(1, MIN_CHUNK_BYTES // self.itemsize)
@@ -658,13 +657,15 @@ class CollectiveOp(Operation):
         """The peer cuts its flows otherwise than we do (a sender on one plane only cuts
         whole flows of up to 1 MiB, comm._chunking_for): its flows to us are cut the same
         way here. No chunk of the peer has been claimed yet (claims wait for this check)."""
-        self.peer_chunking[peer] = (max(1, chunk_bytes // self.itemsize), 1 if whole_flows else FLOW_MIN_CHUNKS)
+        self.peer_chunking[peer] = (max(1, chunk_bytes // self.itemsize), flow_min_chunks(whole_flows))
         for run in self.active:
             for inflow in run.ins:
                 if inflow.peer == peer:
-                    inflow.recut(self._inflow_chunk_elems(inflow.flow))
+                    inflow.recut(self._flow_chunk_elems(inflow.flow))
 
-    def _inflow_chunk_elems(self, f: Flow) -> int:
+    def _flow_chunk_elems(self, f: Flow) -> int:
+        """A flow's chunk length as its sender cuts it: this rank's chunking for its own
+        flows, a peer's (from its fingerprint) where it differs."""
         plan, min_chunks = self.peer_chunking.get(f.src, (self.plan_chunk_elems, self.flow_min_chunks))
         return flow_chunk_elems(f.count, plan, self.min_chunk_elems, min_chunks)
 
@@ -725,13 +726,13 @@ class CollectiveOp(Operation):
             self.window = plan.window_bytes
             for f in mine_out:
                 view = self._send_view(f)
-                ce = flow_chunk_elems(f.count, self.plan_chunk_elems, self.min_chunk_elems, self.flow_min_chunks)
+                ce = self._flow_chunk_elems(f)
                 tag = wire.make_tag(wire.KIND_COLL, comm_id, self.wire_seq, f.id)
                 outs.append(OutFlow(f, view, ce, plan.splits[f.id], tag, self._reach(f.dst)))
         ins = []
         for f in mine_in:
             view, acc = self._receive_target(f)
-            ins.append(InFlow(f, view, self._inflow_chunk_elems(f), wire.make_tag(wire.KIND_COLL, comm_id, self.wire_seq, f.id),
+            ins.append(InFlow(f, view, self._flow_chunk_elems(f), wire.make_tag(wire.KIND_COLL, comm_id, self.wire_seq, f.id),
                               self.engine.planes_from(f.src), acc))
         self.active.append(StageRun(stage, outs, ins, plan, now))
 

@@ -95,7 +95,17 @@ def boundary_for(nbytes_up: int, nbytes_total: int, nchunks: int) -> int:
     return max(0, min(nchunks, int(round(nchunks * nbytes_up / nbytes_total))))
 
 
-def flow_chunk_elems(count: int, plan_chunk_elems: int, min_chunk_elems: int, min_chunks: int = 4) -> int:
+FLOW_MIN_CHUNKS = 4  # a flow that may be split is cut into at least this many chunks
+
+
+def flow_min_chunks(whole_flows: bool) -> int:
+    """Least chunks per flow: a sender on one plane only sends whole flows (in chunks
+    of up to its plan's), one that may split keeps FLOW_MIN_CHUNKS for both planes."""
+    return 1 if whole_flows else FLOW_MIN_CHUNKS
+
+
+def flow_chunk_elems(count: int, plan_chunk_elems: int, min_chunk_elems: int,
+                     min_chunks: int = FLOW_MIN_CHUNKS) -> int:
     """Chunk length (elements) for one flow; identical on sender and receiver.
 
     Flows shorter than ``min_chunks`` plan chunks are cut finer (down to
