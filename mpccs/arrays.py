@@ -8,23 +8,17 @@ from __future__ import annotations
 import numpy as np
 
 from .reduce import OPS, SUPPORTED_DTYPES
+from .staging import is_device_array
 
 
 _SUPPORTED = frozenset(SUPPORTED_DTYPES)  # a hash lookup, not a dozen dtype comparisons per call
 
 
-def _is_cupy(arr) -> bool:
-    return type(arr).__module__.startswith("cupy")
-
-
 def check_array(arr, name: str, *, writable: bool = False) -> np.ndarray:
     """A 1-D view of a C-contiguous numpy array of a supported dtype."""
     if not isinstance(arr, np.ndarray):
-        if _is_cupy(arr):
-            raise TypeError(
-                f"{name}: cupy arrays need a GPU build of the planes (cuda_ipc/cuda_copy); "
-                f"this communicator was created for host memory"
-            )
+        if is_device_array(arr):  # the Communicator's calls stage them before this check
+            raise TypeError(f"{name}: a device array here; pass it to a Communicator call (mpccs.staging)")
         raise TypeError(f"{name} must be a numpy array, got {type(arr).__name__}")
     if arr.dtype not in _SUPPORTED:
         names = ", ".join(str(d) for d in SUPPORTED_DTYPES)

@@ -205,7 +205,6 @@ class StagedCall:
                         for n, a in arrays.items() if a is not None}
         self.outputs = [n for n in outputs if n in self._device]
         self.host: dict[str, Optional[np.ndarray]] = {n: None for n in arrays}
-        self._done = False
         with backend.scope():
             self._mirror_all(backend)
             loaded = set()
@@ -224,10 +223,7 @@ class StagedCall:
             self.host[name] = by_span[span]
 
     def finish(self) -> None:
-        """Copy the outputs back to the device (once), then let the mirrors go."""
-        if self._done:
-            return
-        self._done = True
+        """Copy the outputs back to the device, then let the mirrors go (DeviceWork calls it once)."""
         with self.copies.backend.scope():
             for name in self.outputs:
                 self.copies.to_device(self.host[name], self._device[name])
@@ -289,7 +285,6 @@ class DeviceReduction:
         self.block = n if kind == "reduce_scatter" else -(-n // size)  # ceil: the last block is padded
         self.count = send.size
         self._tail: Optional[np.ndarray] = None
-        self._done = False
 
     def start(self):
         """Run the reduce-scatter, start the second step; returns the host Work last started."""
@@ -321,10 +316,7 @@ class DeviceReduction:
             return self._run_host("all_to_allv", h_part, counts_out, self._tail, counts_in)
 
     def finish(self) -> None:
-        """Write the gathered blocks into the output (once)."""
-        if self._done:
-            return
-        self._done = True
+        """Write the gathered blocks into the output (DeviceWork calls it once)."""
         if self._tail is not None and self._out is not None:
             with self.backend.scope():
                 self.copies.to_device(self._tail[:self.count], self._out)
@@ -345,6 +337,7 @@ class DeviceWork:
         self._host_work = host_work
         self._staged = staged
         self._result = result
+        self._finished = False
 
     def wait(self, timeout: Optional[float] = None):
         self._host_work.wait(timeout)
@@ -365,5 +358,9 @@ class DeviceWork:
         return self._host_work.exception()
 
     def _finish(self) -> None:
+        """The copies back and the stats note, once, whichever of wait / is_completed comes first."""
+        if self._finished:
+            return
+        self._finished = True
         self._staged.finish()
         self._comm._annotate_last_stats(self._host_work, staging=self._staged.report())
