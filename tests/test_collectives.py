@@ -147,8 +147,16 @@ def test_fixed_half_split_uses_both_planes_and_stays_exact(pools):
 
 def settled_adaptive_run(comm, n_ops):
     """Adaptive all_reduces on the default planes, where 'out' (tcp on the same
-    cores) never pays: what each operation did and whether it was exact."""
+    cores) never pays: what each operation did and whether it was exact.
+
+    A fresh communicator starts with 'out' dropped; re-adds are switched off
+    here (readd_margin 1: no probe is ever that fast), because this test is
+    about what a settled operation does, not about the probes' verdicts: on a
+    noisy VM a probe could look like a gain and keep 'out' in use (0 of 40
+    operations settled once in a fresh-clone CI)."""
     comm.set_path_policy("adaptive")
+    ctl = comm._engine.controller
+    ctl.config.readd_margin = 1.0
     x = np.arange(1 << 19, dtype=np.float32) * (comm.rank + 1)
     expected = np.arange(1 << 19, dtype=np.float32) * sum(range(1, comm.size + 1))
     out = []
@@ -156,24 +164,32 @@ def settled_adaptive_run(comm, n_ops):
         y = np.empty_like(x)
         comm.all_reduce(x, y)
         st = comm.last_stats()
+        snap = ctl.snapshot()
         out.append({"exact": bool(np.array_equal(y, expected)), "policy": st["policy"],
                     "planned": st["stages"][0]["split"].get("policy") == "adaptive",
                     "out_bytes": st["bytes_per_plane"]["out"], "waived": st["protection_waived"],
-                    "protected": st["protected"]})
+                    "protected": st["protected"],
+                    # Why the controller did (not) settle: for a failure's message.
+                    "epoch": comm._epoch, "state": snap["ranks"].get(str(comm.rank)),
+                    "peers_dropped": snap["remote_dropped"], "up_rate": ctl._exported_up_rate,
+                    "events": st.get("events", [])})
     return out
 
 
-def test_settled_adaptive_runs_as_up_and_skips_the_done_round(pools):
-    for ops in pools("2").run(settled_adaptive_run, 40):
+def test_settled_adaptive_runs_as_up_and_skips_the_done_round():
+    pool = RankPool(2)
+    try:
+        per_rank = pool.run(settled_adaptive_run, 40)
+    finally:
+        pool.close()
+    for ops in per_rank:
         assert all(o["exact"] and o["policy"] == "adaptive" for o in ops)
         settled = [o for o in ops if not o["planned"]]
         # Between probes nothing is decided, and nothing touches 'out' ... Not
-        # every operation between probes: the two after each probe epoch are
-        # planned (a repeat and its re-add may be on their way), and a probe
-        # that the VM's noise makes look like a gain re-adds 'out' until three
-        # judged stages drop it again and the drop has been exported (once in
-        # ~16 module runs that left 14 of 40 settled).
-        assert len(settled) >= len(ops) // 3, ops
+        # every operation between probes: the probe epochs (4, 16, 32) and the
+        # two after each (a repeat, and the operation in which a peer's re-add
+        # would be heard of) are planned, and so is the operation before each.
+        assert len(settled) >= len(ops) // 2, "\n".join(map(str, ops))
         assert all(o["out_bytes"] == 0 for o in settled)
         # ... so no rank may carry bytes on a failable plane: no DONE round.
         assert all(o["waived"] and not o["protected"] for o in settled)
