@@ -740,6 +740,42 @@ def test_settled_only_between_probe_epochs_when_every_rank_dropped_out():
     assert not ctl.settled(e, int(up_rate * SETTLED_MAX_S * 2))
 
 
+def test_operations_run_settled_between_the_probes_of_every_rank_backed_off_grid():
+    # Failed probes back a rank's probe interval off (16 -> 128 epochs); each
+    # rank exports its grid, so the operations around the multiples of 16 it
+    # no longer probes on run settled on every rank that heard of it. Before,
+    # one shared grid of 16 planned 4 operations in 16 for good.
+    from mpccs.control.controller import FIRST_PROBE_AFTER
+    cfg = ControlConfig(start_on_one_plane=True)
+    every = cfg.probe_every
+    ranks = [PathController(cfg, rank=r) for r in range(2)]
+    backed_off = 8 * every
+    for ctl in ranks:
+        st = ctl._states[ctl.rank]
+        st.probes, st.probe_interval = 3, backed_off  # what three harmful probes leave
+        assert ctl.probe_grid() == backed_off
+    a, b = ranks
+    b.export_estimates(0.0, 0)
+    a.merge_estimates(1, b.export_estimates(0.0, 1))
+    a.export_estimates(0.0, 1)
+    assert a.snapshot()["remote_probe_grid"]["1"] == backed_off
+    probes = (0, FIRST_PROBE_AFTER, backed_off, 2 * backed_off)
+    may_carry = {g + d for g in probes for d in (0, 1, 2)}  # a probe, its repeat, a re-add heard of
+    for e in range(2, 2 * backed_off + 4):
+        assert a.may_use("out", e) == (e in may_carry), e
+        assert a.settled(e) == (e not in may_carry and e + 1 not in may_carry), e
+    # A peer still on the finer grid (it reset to probe_every on a drop) may
+    # probe at any multiple of it: those operations are planned again.
+    fresh = PathController(cfg, rank=1)
+    a.merge_estimates(1, fresh.export_estimates(0.0, 2))
+    for e in (every, every + 1, every + 2, 3 * every):
+        assert a.may_use("out", e), e
+    assert not a.settled(every - 1)
+    # Every grid must travel in the header's byte.
+    with pytest.raises(ValueError, match="probe_backoff_max"):
+        ControlConfig(probe_backoff_max=256)
+
+
 def test_early_completions_on_one_plane_do_not_drop_a_plane_that_pays():
     # Over tcp a send completes when its bytes enter the socket buffer, so the
     # sender's window sees 'up' chunks finish early and its estimator reads 'up'
