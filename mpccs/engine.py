@@ -613,7 +613,8 @@ class CollectiveOp(Operation):
         if controller is not None and self.splitter.name == "adaptive":
             blob = controller.export_estimates(time.perf_counter(), self.epoch)
             declared = DECLARES_SAFE if self.carries_failable is False else DECLARES_CARRY
-            payload = np.concatenate([payload, np.array([declared], np.uint8), np.frombuffer(blob, dtype=np.uint8)])
+            # One bytes join (numpy's concatenate of three arrays cost ~4 us here).
+            payload = np.frombuffer(bytearray(self.fingerprint.raw + bytes((declared,)) + blob), dtype=np.uint8)
             self._fp_blob_cap = controller.blob_capacity(self.schedule.world - 1)
         self._fp_payload = payload
         for peer in self.fp_peers:

@@ -250,6 +250,7 @@ class PathController:
         self._states: dict[int, _RankState] = {}      # ranks whose stages we observe
         self._remote_dropped: dict[int, set] = {}     # other ranks' dropped planes (from blobs)
         self._remote_grid: dict[int, int] = {}        # other ranks' probe grids (from blobs; see probe_grid)
+        self._remote_grid_gcd = 0                     # their greatest common divisor (0: none heard)
         self._shares: dict[tuple, float] = {}         # (src, dst, size class) -> share on 'out'
         self._events: deque = deque(maxlen=64)
         self._events_total = 0  # events ever appended (take_events hands out the ones since its last call)
@@ -904,17 +905,15 @@ class PathController:
         # blob, so they cannot know of it before g + 2 (a peer that re-added at
         # its confirm epoch 33 sent on 'out' while this rank ran 34 settled).
         # Every rank probes only on multiples of its own grid (probe_grid),
-        # which it exports. A grid that doubled reaches the peers an operation
-        # later; until then they test the finer one, which only plans one
-        # operation more. Asked up to four times per operation: plain loops.
-        grids = {_probe_grid(st, self.config.probe_every)}
-        grids.update(self._remote_grid.values())
+        # which it exports; a multiple of any grid is one of their greatest
+        # common divisor (the finest grid: they are probe_every times powers
+        # of two). A grid that doubled reaches the peers an operation later;
+        # until then they test the finer one, which only plans one operation
+        # more. Asked up to four times per operation: plain loops.
+        grid = math.gcd(_probe_grid(st, self.config.probe_every), self._remote_grid_gcd)
         for e in (epoch, epoch - 1, epoch - 2):
-            if e == FIRST_PROBE_AFTER:
+            if e % grid == 0 or e == FIRST_PROBE_AFTER:
                 return True
-            for grid in grids:
-                if e % grid == 0:
-                    return True
         if not self._remote_dropped:
             return True
         for dropped in self._remote_dropped.values():
@@ -960,9 +959,13 @@ class PathController:
         if flags != self._exported_flags:
             self._exported_flags = flags
             self._flags_since = -1 if self._export_epoch is None else self._export_epoch
-        regime = self.estimator.local_regime_changes(self.rank)
         grid_byte = self.probe_grid() // self.config.probe_every if flags else 0
         cached = self._export_cache
+        # Regime counts move only with samples: unchanged since the cached
+        # export, so is the count (summing it is ~3 us of Python).
+        samples = self.estimator.samples_seen
+        regime = (cached[2] if cached is not None and cached[4] == samples
+                  else self.estimator.local_regime_changes(self.rank))
         if (cached is not None and cached[1:3] == (flags, regime) and cached[6] == grid_byte
                 and epoch is not None and not self.may_use("out", epoch)
                 and (self._exports - cached[0] < EXPORT_REUSE_CALLS
@@ -1028,7 +1031,10 @@ class PathController:
         self.estimator.set_remote(rank, entries)
         dropped = {p for i, p in enumerate(PLANES) if flags & (1 << i)}
         self._remote_dropped[rank] = dropped
-        self._remote_grid[rank] = self.config.probe_every * max(1, grid_byte)
+        grid = self.config.probe_every * max(1, grid_byte)
+        if self._remote_grid.get(rank) != grid:
+            self._remote_grid[rank] = grid
+            self._remote_grid_gcd = math.gcd(*self._remote_grid.values())
         self._merged[rank] = bytes(blob)
         self._follow_peer_drop(rank, dropped)
 
