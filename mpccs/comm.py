@@ -449,7 +449,9 @@ class Communicator:
         settled = epoch is not None and self._engine.controller.settled(epoch, nbytes)
         splitter = self._splitter(single_plane=plan.single_plane, settled=settled)
         carries = self._may_carry_failable(epoch) if protected and self._policy == "adaptive" else None
-        chunk_bytes, whole_flows = self._chunking_for(plan, settled or carries is False)
+        one_plane = (settled or carries is False
+                     or (epoch is not None and self._engine.controller.sends_on_one_plane(epoch)))
+        chunk_bytes, whole_flows = self._chunking_for(plan, one_plane)
         fp = None
         if self.options.fingerprint:
             count = None if name == "all_to_allv" else schedule.count

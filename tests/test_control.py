@@ -776,6 +776,18 @@ def test_operations_run_settled_between_the_probes_of_every_rank_backed_off_grid
         ControlConfig(probe_backoff_max=256)
 
 
+def test_a_rank_with_out_dropped_sends_on_one_plane_except_when_it_probes():
+    # What lets a planned operation cut whole flows (comm._chunking_for).
+    from mpccs.control.controller import FIRST_PROBE_AFTER
+    cfg = ControlConfig(start_on_one_plane=True)
+    ctl = PathController(cfg, rank=0)
+    assert not ctl.sends_on_one_plane(FIRST_PROBE_AFTER)  # its first probe puts bytes on 'out'
+    assert ctl.sends_on_one_plane(FIRST_PROBE_AFTER + 1) and ctl.sends_on_one_plane(FIRST_PROBE_AFTER - 1)
+    assert not ctl.sends_on_one_plane(None)  # no epoch: not an adaptive multipath call
+    assert not PathController(ControlConfig(), rank=0).sends_on_one_plane(7)  # both planes in use: it splits
+    assert PathController(ControlConfig(multipath=False), rank=0).sends_on_one_plane(7)
+
+
 def test_early_completions_on_one_plane_do_not_drop_a_plane_that_pays():
     # Over tcp a send completes when its bytes enter the socket buffer, so the
     # sender's window sees 'up' chunks finish early and its estimator reads 'up'
