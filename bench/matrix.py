@@ -54,6 +54,8 @@ from stats import holds, noise_floor, ratio_ci  # noqa: E402
 UP_RATE, OUT_RATE, BG_RATE, SHARED_RATE = "1gbit", "500mbit", "250mbit", "1gbit"
 UP_BPS, OUT_BPS, BG_BPS = 1e9, 500e6, 250e6
 CAP = 0.3
+RATE_CAP = "250mbit"  # MPCCS_OUT_CAP_RATE of the rate-capped run: the background's fair share
+SERIES = ("background", "background_cap", "background_rate_cap", "background_fixed", "failure")
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 POLICIES = "up,up,out,0.8,adaptive"
 LABELS = ("up", "up#2", "out", "0.8", "adaptive")
@@ -426,12 +428,20 @@ def measure(ns, plan: dict) -> None:
                     else:
                         run_perf(cluster, cond, coll, raw, plan, env)
             if not ns.no_series:
+                wanted = ns.series.split(",")
                 background_alone(cluster, raw, plan["bg_alone_s"])
-                run_series(cluster, "background", raw, "adaptive", plan["bg_series"], env, "background")
-                run_series(cluster, "background_cap", raw, "adaptive", plan["bg_series"],
-                           dict(env, MPCCS_OUT_CAP=str(CAP)), "background")
-                run_series(cluster, "background_fixed", raw, "0.667", plan["bg_series"], env, "background")
-                run_series(cluster, "failure", raw, "adaptive", plan["fail_series"], env, "failure")
+                runs = {
+                    "background": ("adaptive", plan["bg_series"], env, "background"),
+                    "background_cap": ("adaptive", plan["bg_series"], dict(env, MPCCS_OUT_CAP=str(CAP)), "background"),
+                    "background_rate_cap": ("adaptive", plan["bg_series"], dict(env, MPCCS_OUT_CAP_RATE=RATE_CAP),
+                                            "background"),
+                    "background_fixed": ("0.667", plan["bg_series"], env, "background"),
+                    "failure": ("adaptive", plan["fail_series"], env, "failure"),
+                }
+                for name in SERIES:
+                    if name in wanted:
+                        policy, sched, series_env, kind = runs[name]
+                        run_series(cluster, name, raw, policy, sched, series_env, kind)
     if "shared" in conditions:
         with Cluster(n=2, up="tcp", up_rate=UP_RATE, out_rate=OUT_RATE, shared_bottleneck=True,
                      shared_rate=SHARED_RATE, log=tb_log) as cluster:
@@ -602,6 +612,9 @@ def model_share(label: str, env: dict, policy: str, rank: int) -> float:
     except ValueError:
         pass
     out_Bps = {"background on": OUT_BPS - BG_BPS if rank == 1 else OUT_BPS, "link down": 0.0}.get(label, OUT_BPS)
+    if "MPCCS_OUT_CAP_RATE" in env:
+        from mpccs.config import parse_rate
+        out_Bps = min(out_Bps, parse_rate(env["MPCCS_OUT_CAP_RATE"]) * 8)
     share = UP_BPS / (UP_BPS + out_Bps)
     cap = float(env.get("MPCCS_OUT_CAP", 1.0))
     return max(share, 1.0 - cap)
@@ -800,8 +813,9 @@ def render(cells: list, series: dict, meta: dict, versions: dict) -> str:
           f"Model share (both planes of a rank finish together at the shaped rates): idle {UP_BPS / (UP_BPS + OUT_BPS):.2f}; "
           f"with the background, which takes half of rank 0's scale-out downlink, rank 1 (whose 'out' bytes cross "
           f"it) {UP_BPS / (UP_BPS + OUT_BPS - BG_BPS):.2f} and rank 0 unchanged {UP_BPS / (UP_BPS + OUT_BPS):.2f} "
-          "(its sends have slack: the stage ends with rank 1's); out down 1.00; with MPCCS_OUT_CAP=c at least 1-c.", ""]
-    for name in ("background", "background_cap", "background_fixed", "failure"):
+          "(its sends have slack: the stage ends with rank 1's); out down 1.00; with MPCCS_OUT_CAP=c at least 1-c; "
+          f"with MPCCS_OUT_CAP_RATE={RATE_CAP} 'out' at most that rate.", ""]
+    for name in SERIES:
         s = series.get(name)
         if not s:
             continue
@@ -927,6 +941,7 @@ def background_rows(series: dict, cells: list):
     if alone:
         rows.append(("alone (no job)", alone["delivered_Bps"], "-"))
     names = {"background": "adaptive", "background_cap": f"adaptive, MPCCS_OUT_CAP={CAP}",
+             "background_rate_cap": f"adaptive, MPCCS_OUT_CAP_RATE={RATE_CAP} (paced)",
              "background_fixed": "fixed 2:1 split (0.667)"}
     for name, label in names.items():
         s = series.get(name)
@@ -1151,8 +1166,7 @@ def report(out: str) -> str:
             rp = os.path.join(raw, cond, f"{coll}.run.json")
             if os.path.exists(rp):
                 runs.append(load(rp))
-    series = {name: analyse_series(raw, name) for name in ("background", "background_cap", "background_fixed",
-                                                           "failure")}
+    series = {name: analyse_series(raw, name) for name in SERIES}
     for name in list(series):
         rp = os.path.join(raw, "series", f"{name}.run.json")
         if os.path.exists(rp):
@@ -1186,6 +1200,7 @@ def main() -> int:
     ap.add_argument("--conditions", default=",".join(CONDITIONS))
     ap.add_argument("--collectives", default=",".join(COLLECTIVES))
     ap.add_argument("--no-series", action="store_true", help="skip the time series and background runs")
+    ap.add_argument("--series", default=",".join(SERIES), help="which time series to run (default: all)")
     ns = ap.parse_args()
     os.makedirs(ns.out, exist_ok=True)
     start = time.time()

@@ -23,7 +23,7 @@ from .reduce import finish_avg
 from .telemetry import Telemetry
 from .transports.plane import Plane
 from .control.split import PathModel
-from .windows import OUT, UP
+from .windows import OUT, UP, Pacer
 
 DEFAULT_WINDOW_BYTES = {UP: 4 << 20, OUT: 4 << 20}
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -100,8 +100,10 @@ class Communicator:
         if self._tune.multipath is False:
             self.options = options = dataclasses.replace(options, multipath=False, path_policy="up")
         self._planes = self._open_planes(options)
+        pacer = None if options.out_cap_rate_Bps is None else Pacer(options.out_cap_rate_Bps, now=time.perf_counter())
         self._engine = Engine(self.rank, comm_id, self._planes, controller=self._make_controller(),
-                              plane_timeout_s=options.plane_timeout_s, reprobe_s=options.reprobe_s)
+                              plane_timeout_s=options.plane_timeout_s, reprobe_s=options.reprobe_s,
+                              out_pacer=pacer)
         self._engine.liveness = self._lost_local_peers
         self._telemetry = Telemetry(options.trace, self.rank)
         self._policy = None
@@ -180,7 +182,8 @@ class Communicator:
     def _make_controller(self):
         from .control import ControlConfig, PathController
 
-        config = ControlConfig(out_cap_share=self.options.out_cap_share, start_on_one_plane=True)
+        config = ControlConfig(out_cap_share=self.options.out_cap_share, out_cap_rate_Bps=self.options.out_cap_rate_Bps,
+                               start_on_one_plane=True)
         self._prior_costs = {p: PathModel(config.prior_rate_Bps[p], config.prior_delay_s[p]) for p in ("up", "out")}
         return PathController(config, rank=self.rank)
 

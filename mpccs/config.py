@@ -85,6 +85,28 @@ def parse_size(value: Union[str, int]) -> int:
         raise ConfigError(f"cannot read size {value!r} (examples: 4096, 256K, 1M)") from None
 
 
+_RATE_UNITS = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8,
+               "b": 1.0, "kb": 1e3, "mb": 1e6, "gb": 1e9}
+MIN_OUT_CAP_RATE_BPS = 1e6  # below this one 1 MiB chunk waits over a second for its tokens
+
+
+def parse_rate(value: Union[str, float, int]) -> float:
+    """'250mbit', '1gbit' (bits/s, tc's spelling), '30MB' (bytes/s), or a number of bytes/s."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    text = str(value).strip().lower().rstrip("/s")  # '30MB/s' reads too
+    for unit in sorted(_RATE_UNITS, key=len, reverse=True):
+        if text.endswith(unit):
+            digits, mult = text[: -len(unit)], _RATE_UNITS[unit]
+            break
+    else:
+        digits, mult = text, 1.0
+    try:
+        return float(digits) * mult
+    except ValueError:
+        raise ConfigError(f"cannot read rate {value!r} (examples: 250mbit, 1gbit, 30MB, 31250000)") from None
+
+
 def parse_bool(value) -> bool:
     if isinstance(value, bool):
         return value
@@ -129,6 +151,7 @@ class Options:
     tune: Optional[str] = None
     trace: Optional[str] = None
     out_cap_share: float = 1.0
+    out_cap_rate_Bps: Optional[float] = None  # QoS: borrowed scale-out bytes/s, paced (None: no cap)
     fingerprint: bool = True
     failover: bool = True  # retry a collective on the plane left when one fails
     device_reduce: str = "auto"  # where reductions of device arrays are computed (DEVICE_REDUCE_MODES)
@@ -152,6 +175,7 @@ _ENV = {
     "tune": ("MPCCS_TUNE", str),
     "trace": ("MPCCS_TRACE", str),
     "out_cap_share": ("MPCCS_OUT_CAP", float),
+    "out_cap_rate_Bps": ("MPCCS_OUT_CAP_RATE", parse_rate),
     "fingerprint": ("MPCCS_FINGERPRINT", parse_bool),
     "failover": ("MPCCS_FAILOVER", parse_bool),
     "device_reduce": ("MPCCS_DEVICE_REDUCE", lambda v: parse_device_reduce(v)),
@@ -197,6 +221,9 @@ def load_options(environ=None, **overrides) -> Options:
         raise ConfigError(f"chunk_bytes={opts.chunk_bytes} is below the 4096-byte minimum")
     if not 0.0 <= opts.out_cap_share <= 1.0:
         raise ConfigError(f"out_cap_share={opts.out_cap_share} is outside [0, 1]")
+    if opts.out_cap_rate_Bps is not None and opts.out_cap_rate_Bps < MIN_OUT_CAP_RATE_BPS:
+        raise ConfigError(f"out_cap_rate_Bps={opts.out_cap_rate_Bps:g} is below {MIN_OUT_CAP_RATE_BPS:g} B/s "
+                          "(8 Mbit/s): pacing would hold chunks for seconds")
     for name in ("timeout_s", "plane_timeout_s", "reprobe_s"):
         if getattr(opts, name) <= 0:
             raise ConfigError(f"{name} must be positive")

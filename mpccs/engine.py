@@ -35,7 +35,8 @@ from .health import PlaneHealth
 from .prologue import DeferredCopies
 from .reduce import reduce_into, reduce_to
 from .telemetry import wall
-from .windows import OUT, UP, FlowCursor, boundary_for, chunk_count, chunk_range, flow_chunk_elems, flow_min_chunks
+from .windows import (OUT, UP, FlowCursor, Pacer, boundary_for, chunk_count, chunk_range, flow_chunk_elems,
+                      flow_min_chunks)
 
 MIN_CHUNK_BYTES = 64 << 10
 FP_BYTES = 16  # a fingerprint's two uint64 words
@@ -1016,15 +1017,23 @@ class CollectiveOp(Operation):
             if plane is None:
                 continue
             limit = self.window.get(plane_name, 0)
+            pacer = self.engine.out_pacer if plane_name == OUT else None
             for run in self.active:
                 for outflow in run.outs:
                     while self.inflight[plane_name] < limit and outflow.cursor.wants(plane_name):
+                        # Borrowed bytes ('up' reaches the peer too) wait for the
+                        # pacer; a flow between domains has no other plane and never waits.
+                        paced = pacer is not None and self.splitter.reach(outflow.peer)[0]
+                        if paced and not pacer.ready(time.perf_counter()):
+                            break  # 'up' may steal the chunk meanwhile
                         index = outflow.cursor.next_chunk(plane_name)
-                        self._send_chunk(run, outflow, plane, index)
+                        nbytes = self._send_chunk(run, outflow, plane, index)
+                        if paced:
+                            pacer.take(nbytes, time.perf_counter())
                         moved = True
         return moved
 
-    def _send_chunk(self, run: StageRun, outflow: OutFlow, plane, index: int) -> None:
+    def _send_chunk(self, run: StageRun, outflow: OutFlow, plane, index: int) -> int:
         offset, nelems = chunk_range(index, outflow.flow.count, outflow.chunk_elems)
         nbytes = nelems * self.itemsize
         view = outflow.view[offset : offset + nelems].view(np.uint8)
@@ -1039,6 +1048,7 @@ class CollectiveOp(Operation):
         self.bytes_per_plane[plane.name] += nbytes
         run.bytes_by_plane[plane.name] += nbytes
         self.out_chunks.append((req, outflow, plane, nbytes, time.perf_counter(), run))
+        return nbytes
 
     def _retire_stages(self) -> bool:
         moved = False
@@ -1317,9 +1327,14 @@ class SendOp(Operation):
         for name, plane in self.engine.planes.items():
             if not plane.reaches(self.dst):
                 continue
+            pacer = self.engine.out_pacer if name == OUT and self.splitter.reach(self.dst)[0] else None
             while self.inflight[name] < self.window.get(name, 0) and of.cursor.wants(name):
+                if pacer is not None and not pacer.ready(time.perf_counter()):
+                    break  # borrowed bytes wait for the QoS pacer, as in collectives
                 index = of.cursor.next_chunk(name)
                 offset, n = chunk_range(index, of.flow.count, of.chunk_elems)
+                if pacer is not None:
+                    pacer.take(n, time.perf_counter())
                 req = plane.send(self.dst, self.buf[offset : offset + n], of.tag_base | index)
                 of.pending += 1
                 self.inflight[name] += n
@@ -1444,7 +1459,7 @@ class RecvOp(Operation):
 # ---------------------------------------------------------------------------
 class Engine:
     def __init__(self, rank: int, comm_id: int, planes: dict, controller=None,
-                 plane_timeout_s: float = 1.0, reprobe_s: float = 5.0):
+                 plane_timeout_s: float = 1.0, reprobe_s: float = 5.0, out_pacer: Optional[Pacer] = None):
         self.rank = rank
         self.comm_id = comm_id
         self.planes = planes  # name -> Plane (only the enabled ones)
@@ -1465,6 +1480,8 @@ class Engine:
         self._next_control_poll = 0.0
         self._direct_pool: dict[tuple, list] = {}  # DirectBuffers by (nbytes, capacity, npeers)
         self.fp_capacity: dict[int, int] = {}  # fp_blob_capacity by world size
+        # QoS rate cap: paces this rank's borrowed chunks on 'out' (every operation, every policy).
+        self.out_pacer = out_pacer
 
     def direct_buffers(self, nbytes: int, capacity: int, npeers: int) -> "DirectBuffers":
         pool = self._direct_pool.get((nbytes, capacity, npeers))

@@ -113,3 +113,43 @@ def flow_chunk_elems(count: int, plan_chunk_elems: int, min_chunk_elems: int,
     """
     target = -(-count // min_chunks) if count > 0 else 1
     return max(1, min(plan_chunk_elems, max(min_chunk_elems, target)))
+
+
+class Pacer:
+    """Token bucket for borrowed bytes on 'out' (the QoS rate cap, MPCCS_OUT_CAP_RATE).
+
+    The controller's rate cap bounds how many bytes a stage puts there (rate x
+    predicted stage time), but a plane that sends them as fast as its link allows
+    still takes the whole link in bursts, and another tenant's flow on it loses
+    its share for as long. The pacer spaces the chunks instead: a chunk may start
+    when the bucket is not in debt, and its bytes are then owed at ``rate_Bps``,
+    so over any interval the bytes started exceed ``rate x interval`` by at most
+    one chunk plus ``burst_bytes``. Times are passed in (no clock here).
+    """
+
+    def __init__(self, rate_Bps: float, burst_bytes: float = 0.0, now: float = 0.0):
+        if not rate_Bps > 0:
+            raise ValueError(f"pacing rate must be > 0, got {rate_Bps}")
+        self.rate_Bps = float(rate_Bps)
+        self.burst_bytes = float(burst_bytes)
+        self._tokens = float(burst_bytes)
+        self._t = now
+        self.waits = 0  # times a chunk found the bucket in debt (telemetry)
+
+    def _refill(self, now: float) -> None:
+        if now > self._t:
+            self._tokens = min(self.burst_bytes, self._tokens + (now - self._t) * self.rate_Bps)
+            self._t = now
+
+    def ready(self, now: float) -> bool:
+        """May a chunk start now?"""
+        self._refill(now)
+        if self._tokens >= 0:
+            return True
+        self.waits += 1
+        return False
+
+    def take(self, nbytes: int, now: float) -> None:
+        """A chunk of ``nbytes`` started at ``now``."""
+        self._refill(now)
+        self._tokens -= nbytes

@@ -331,6 +331,26 @@ def test_qos_cap_never_exceeded(share, rate_cap, sizes, out_rate, align):
                 assert borrowed <= rate_cap * t_cap + 1
 
 
+def test_rate_cap_budget_is_the_capped_equal_finish_even_with_out_unmeasured():
+    # 'up' measured at 125 MB/s, 'out' never measured (its prior says 700 MB/s),
+    # cap 31.25 MB/s: paced to the cap, 'out' finishes with 'up' when it carries
+    # r / (r + R_up) = 20% of the flow. Timed from the uncapped split (10 ms
+    # instead of 54), the budget was under half a 512 KiB chunk and rounded to
+    # nothing, so probes never measured 'out' (testbed series).
+    cap = 31.25e6
+    ctl = PathController(ControlConfig(out_cap_rate_Bps=cap), rank=0)
+    t = 0.0
+    for _ in range(40):
+        ctl.on_chunk("up", 1, 512 * KiB, t, t + 512 * KiB / 125e6)
+        t += 512 * KiB / 125e6
+    n = 8 * MiB
+    d = ctl.decide([FlowDemand(0, 0, 1, n, BOTH)], now=t, chunk_bytes=512 * KiB, align=4096)
+    assert d.reason["ranks"]["0"]["est"]["out"]["measured"] is False
+    want = n * cap / (cap + 125e6)
+    assert abs(d.out_cap_bytes[0] - want) <= 0.05 * n
+    assert d.out_bytes(FlowDemand(0, 0, 1, n, BOTH)) >= 512 * KiB  # at least a chunk goes on 'out'
+
+
 # --------------------------------------------------------------------- coflow
 def ring_flows(n_ranks=4, nbytes=32 * MiB):
     return [FlowDemand(r, r, (r + 1) % n_ranks, nbytes, BOTH) for r in range(n_ranks)]

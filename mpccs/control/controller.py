@@ -319,7 +319,15 @@ class PathController:
         split = solve_coflow(split_in, models, cfg.coflow_slack)
         rate_cap_time = None
         if cfg.out_cap_rate_Bps is not None:
-            rate_cap_time = split.stage_time_s
+            # The stage as it runs with 'out' paced to the cap: both planes
+            # finish together at that time, and 'out' carries the cap's bytes
+            # in it. Timed from the uncapped split instead, the budget followed
+            # 'out''s estimate: a never-measured 'out' (its 700 MB/s prior)
+            # made a 67 ms testbed stage look like 10 ms, its budget (315 KB)
+            # rounded to no chunk at all, probes never measured 'out', and the
+            # plane stayed dropped for good (testbed series, 250 Mbit/s cap).
+            capped = solve_coflow(split_in, _models(ports, cfg.out_cap_rate_Bps), cfg.coflow_slack)
+            rate_cap_time = capped.stage_time_s
             caps = qos.combine(caps, qos.rate_caps(flows, cfg.out_cap_rate_Bps, rate_cap_time, align))
             split_in = self._split_inputs(flows, allowed, caps, view)
             split = solve_coflow(split_in, models, cfg.coflow_slack)
@@ -1132,8 +1140,13 @@ def _path_model(view: EstimateView, src: int, plane: str, peer: int) -> PathMode
     return PathModel(est.rate_Bps, est.latency_s)
 
 
-def _models(ports: Mapping[int, Mapping[str, PathEstimate]]) -> dict[int, dict[str, PathModel]]:
-    return {s: {p: PathModel(e.rate_Bps, e.latency_s) for p, e in pe.items()} for s, pe in ports.items()}
+def _models(ports: Mapping[int, Mapping[str, PathEstimate]],
+            out_rate_max: Optional[float] = None) -> dict[int, dict[str, PathModel]]:
+    """Per rank and plane, the (rate, delay) a split is planned with; ``out_rate_max``:
+    'out' no faster than that (the QoS rate cap, which the engine's pacer enforces)."""
+    def rate(p, e):
+        return min(e.rate_Bps, out_rate_max) if p == "out" and out_rate_max is not None else e.rate_Bps
+    return {s: {p: PathModel(rate(p, e), e.latency_s) for p, e in pe.items()} for s, pe in ports.items()}
 
 
 def _aligned_up_bytes(nbytes: int, out: float, cap: int, align: int) -> int:
