@@ -134,7 +134,6 @@ class Pacer:
         self.burst_bytes = float(burst_bytes)
         self._tokens = float(burst_bytes)
         self._t = now
-        self.waits = 0  # times a chunk found the bucket in debt (telemetry)
 
     def _refill(self, now: float) -> None:
         if now > self._t:
@@ -144,10 +143,7 @@ class Pacer:
     def ready(self, now: float) -> bool:
         """May a chunk start now?"""
         self._refill(now)
-        if self._tokens >= 0:
-            return True
-        self.waits += 1
-        return False
+        return self._tokens >= 0
 
     def take(self, nbytes: int, now: float) -> None:
         """A chunk of ``nbytes`` started at ``now``."""

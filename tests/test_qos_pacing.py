@@ -27,7 +27,6 @@ def test_pacer_starts_at_most_one_chunk_beyond_the_rate_over_any_interval():
     for a in np.arange(0.0, 9.0, 0.37):  # any window: bytes started <= rate x window + one chunk
         n = sum(1 for s in started if a <= s < a + 1.0)
         assert n * 300 <= 1000 * 1.0 + 300
-    assert pacer.waits > 0
 
 
 def test_pacer_burst_lets_an_idle_sender_start_that_much_at_once():
