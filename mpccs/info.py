@@ -24,6 +24,7 @@ def collect(comm) -> dict:
         "domain": comm.domain,
         "domains": comm.domains,
         "path_policy": str(comm.path_policy),
+        "qos": {"out_cap_share": comm.options.out_cap_share, "out_cap_rate_Bps": comm.options.out_cap_rate_Bps},
         "planes": {
             name: {
                 "tls": plane.tls,
@@ -42,6 +43,8 @@ def render(info: dict) -> str:
         f"# mpccs {info['mpccs']}  (ucxx {info['ucxx']}, UCX {info['ucx']})",
         f"# rank {info['rank']} of {info['size']}, local rank {info['local_rank']}, domain {info['domain']!r}",
         f"# path policy: {info['path_policy']}",
+        f"# qos: out_cap_share={info['qos']['out_cap_share']:g}  out_cap_rate="
+        + ("none" if info["qos"]["out_cap_rate_Bps"] is None else f"{info['qos']['out_cap_rate_Bps'] * 8 / 1e6:g} Mbit/s (paced)"),
     ]
     for name, p in info["planes"].items():
         lines.append(
@@ -57,8 +60,13 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print JSON")
     ns = parser.parse_args(argv)
     import mpccs
+    from .errors import ConfigError
 
-    with mpccs.init() as comm:
+    try:
+        comm = mpccs.init()
+    except ConfigError as exc:
+        parser.error(str(exc))  # a bad MPCCS_* setting: one line and exit status 2, not a traceback
+    with comm:
         info = collect(comm)
         print(json.dumps(info, indent=2) if ns.json else render(info))
     return 0

@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from .config import parse_policy, parse_size
+from .errors import ConfigError
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce")
 DTYPE_ALIASES = {
@@ -281,13 +282,16 @@ def main(argv=None) -> int:
 
     import mpccs
 
-    comm = mpccs.init()
+    try:  # a bad setting (flag or MPCCS_* variable) is a usage error, not a traceback
+        if ns.policies:
+            policies = tuple(parse_policy(p) for p in ns.policies.split(","))
+            ns.compare = True
+        else:
+            policies = COMPARE_POLICIES if ns.compare else (parse_policy(ns.path),)
+        comm = mpccs.init()
+    except ConfigError as exc:
+        ap.error(str(exc))
     dtype = dtype_of(ns.datatype)
-    if ns.policies:
-        policies = tuple(parse_policy(p) for p in ns.policies.split(","))
-        ns.compare = True
-    else:
-        policies = COMPARE_POLICIES if ns.compare else (parse_policy(ns.path),)
     policies = labelled(policies)
     rows = []
     size_list = sizes(parse_size(ns.minbytes), parse_size(ns.maxbytes), ns.stepfactor)

@@ -93,3 +93,23 @@ def test_device_memory_without_a_gpu_is_refused_before_any_rank_starts(capsys):
         main(["all_reduce", "--memory", "device"])
     assert exc.value.code == 2
     assert "--memory device needs cupy and a GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tool, argv, env, message", [
+    ("mpccs-perf", ["all_reduce", "-b", "8", "-e", "8"], {"MPCCS_OUT_CAP": "2"}, "out_cap_share=2.0 is outside [0, 1]"),
+    ("mpccs-perf", ["all_reduce", "-b", "8", "-e", "8", "--policies", "up,bogus"], {}, "unknown path policy 'bogus'"),
+    ("mpccs-info", [], {"MPCCS_OUT_CAP_RATE": "fast"}, "MPCCS_OUT_CAP_RATE: cannot read rate 'fast'"),
+])
+def test_a_bad_setting_is_a_one_line_usage_error(tool, argv, env, message):
+    p = subprocess.run([os.path.join(BIN, tool), *argv], capture_output=True, text=True, timeout=120,
+                       env=dict(clean_env(), **env))
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert f"{tool}: error: {message}" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_info_reports_the_qos_caps():
+    p = subprocess.run([os.path.join(BIN, "mpccs-info"), "--json"], capture_output=True, text=True, timeout=120,
+                       env=dict(clean_env(), MPCCS_OUT_CAP_RATE="250mbit", MPCCS_OUT_CAP="0.3"))
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["qos"] == {"out_cap_share": 0.3, "out_cap_rate_Bps": 31.25e6}
