@@ -154,6 +154,8 @@ def rank_series(argv: list[str]) -> int:
     with open(f"{out}.rank{comm.rank}.json", "w") as fh:
         json.dump({"rank": comm.rank, "ops": ops, "correct_last": ok, "cpu_s": time.process_time() - c_start,
                    "metrics": comm.metrics() if hasattr(comm, "metrics") else None,
+                   # rate steps the estimator saw on paths measured here (each one resets estimates)
+                   "regime_changes": comm._engine.controller.estimator.local_regime_changes(comm.rank),
                    "rusage": {"utime": ru.ru_utime, "stime": ru.ru_stime}}, fh, default=str)
     comm.close()
     return 0 if ok else 1

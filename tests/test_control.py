@@ -87,6 +87,31 @@ def test_estimator_forgets_step_down_and_stale_samples():
     assert est.rate(later) <= 0.55e9
 
 
+def idle_samples(est, rates, t=0.0, nbytes=4 * MiB):
+    """One idle-start sample per stage (the engine's delivery samples), at these rates."""
+    for rate in rates:
+        done = t + nbytes / rate
+        est.add(nbytes, t, done, None)
+        t = done + 0.01
+    return t
+
+
+@pytest.mark.parametrize("after, samples_to_step", [(0.5, 2), (0.7, 3), (2.0, 2), (1.4, 3)])
+def test_a_step_of_half_the_rate_shows_in_two_stage_samples_a_milder_one_in_three(after, samples_to_step):
+    # A competing flow taking half the link is seen one operation sooner (two
+    # stages) than a 30% change, which needs three samples beyond 0.75.
+    est = PathEstimator()
+    t = idle_samples(est, [62e6 * f for f in (1.0, 1.05, 0.97, 1.02, 0.99, 1.01, 0.98)])
+    assert est.regime_changes == 0
+    for n in range(1, 4):
+        t = idle_samples(est, [62e6 * after], t)
+        assert est.regime_changes == (1 if n >= samples_to_step else 0), n
+    # One outlier is never a step, however large.
+    est2 = PathEstimator()
+    t = idle_samples(est2, [62e6] * 7 + [20e6] + [62e6] * 3)
+    assert est2.regime_changes == 0
+
+
 def test_estimator_single_chunk_parts_separate_delay_and_rate():
     # Every part fits in one chunk, so every chunk starts an idle plane: a line
     # through (size, latency) recovers both a and B (sizes vary between stages).
