@@ -12,11 +12,17 @@ import pytest
 SOAK = os.path.join(os.path.dirname(__file__), "..", "bench", "soak.py")
 
 
-@pytest.mark.parametrize("ranks,seed", [(2, 3), (3, 4)])
-def test_short_soak(tmp_path, ranks, seed):
+@pytest.mark.parametrize("ranks,seed,extra_env", [
+    (2, 3, {}),
+    (3, 4, {}),
+    # Borrowed chunks on 'out' paced by the QoS rate cap, through failovers and rejoins.
+    (2, 5, {"MPCCS_OUT_CAP_RATE": "200mbit"}),
+], ids=["2ranks", "3ranks", "2ranks-paced"])
+def test_short_soak(tmp_path, ranks, seed, extra_env):
     out = tmp_path / "soak.json"
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_", "MPCCS_"))}
+    env.update(extra_env)
     p = subprocess.run([sys.executable, SOAK, "-n", str(ranks), "--ops", "200", "--seed", str(seed),
                         "--fail-rate", "0.08", "--json", str(out)],
                        capture_output=True, text=True, timeout=300, env=env)
