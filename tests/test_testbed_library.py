@@ -65,14 +65,17 @@ def test_kernel_counters_match_bytes_per_plane(tcp_cluster, policy):
 
 
 def test_adaptive_finds_the_rate_ratio_and_beats_up(tcp_cluster):
-    run = tcp_cluster.run([sys.executable, JOB, "adaptive", str(32 << 20), "10"], timeout=300,
+    run = tcp_cluster.run([sys.executable, JOB, "adaptive", str(32 << 20), "20"], timeout=300,
                           stream=open(os.devnull, "w"))
     assert run.exit_code == 0, "\n".join(run.output[0] + run.output[1])
     res = result_of(run)
     # The controller re-probes, and on 2 busy cores a noisy stretch can make it
-    # drop 'out' for an operation or two (a CI run saw 2 of the last 4 on 'up'):
-    # the check is that most late operations split, and split at the link ratio.
-    late = res["share"][-6:]
+    # drop 'out' for an operation or two (a CI run saw 2 of the last 4 on 'up'),
+    # or, judged on noisy joint stages, until its next probe: one CI run dropped
+    # it at operation 5, two after the re-add, and the next probe (epoch 16)
+    # came after 10 operations. 20 operations hold that recovery: the check is
+    # that late operations split, and split at the link ratio.
+    late = res["share"][-8:]
     split = [s for s in late if 0.05 < s < 0.95]
     expected = 2 / 3  # UP_RATE : OUT_RATE = 2 : 1
     assert len(split) >= 3, res
