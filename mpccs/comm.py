@@ -475,7 +475,7 @@ class Communicator:
                            input_unsaved=unsaved, epoch=epoch, carries_failable=carries, whole_flows=whole_flows)
         return self._submit(cop, result, async_op)
 
-    def _chunking_for(self, plan: "CallPlan", up_only: bool) -> tuple[int, bool]:
+    def _chunking_for(self, plan: "CallPlan", sends_on_one_plane: bool) -> tuple[int, bool]:
         """How this rank cuts its flows: (chunk bytes, whole flows). The tuner's chunk,
         and at least 4 chunks a flow, let a split land near its share; a rank that
         sends on one plane only in this operation (a single-plane policy or plan, or
@@ -494,7 +494,7 @@ class Communicator:
         policy = self._policy
         # (the tuner's single-plane hint binds 'adaptive' only: a fixed fraction splits whatever it says)
         one_plane = (policy in (UP, OUT) or len(self._planes) < 2
-                     or (policy == "adaptive" and (plan.single_plane or up_only)))
+                     or (policy == "adaptive" and (plan.single_plane or sends_on_one_plane)))
         if not one_plane:
             return plan.chunk_bytes, False
         return max(plan.chunk_bytes, SINGLE_PLANE_CHUNK_BYTES), True

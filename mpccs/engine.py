@@ -1017,18 +1017,15 @@ class CollectiveOp(Operation):
             if plane is None:
                 continue
             limit = self.window.get(plane_name, 0)
-            pacer = self.engine.out_pacer if plane_name == OUT else None
             for run in self.active:
                 for outflow in run.outs:
+                    pacer = self.engine.pacer_for(plane_name, self.splitter, outflow.peer)
                     while self.inflight[plane_name] < limit and outflow.cursor.wants(plane_name):
-                        # Borrowed bytes ('up' reaches the peer too) wait for the
-                        # pacer; a flow between domains has no other plane and never waits.
-                        paced = pacer is not None and self.splitter.reach(outflow.peer)[0]
-                        if paced and not pacer.ready(time.perf_counter()):
+                        if pacer is not None and not pacer.ready(time.perf_counter()):
                             break  # 'up' may steal the chunk meanwhile
                         index = outflow.cursor.next_chunk(plane_name)
                         nbytes = self._send_chunk(run, outflow, plane, index)
-                        if paced:
+                        if pacer is not None:
                             pacer.take(nbytes, time.perf_counter())
                         moved = True
         return moved
@@ -1327,7 +1324,7 @@ class SendOp(Operation):
         for name, plane in self.engine.planes.items():
             if not plane.reaches(self.dst):
                 continue
-            pacer = self.engine.out_pacer if name == OUT and self.splitter.reach(self.dst)[0] else None
+            pacer = self.engine.pacer_for(name, self.splitter, self.dst)
             while self.inflight[name] < self.window.get(name, 0) and of.cursor.wants(name):
                 if pacer is not None and not pacer.ready(time.perf_counter()):
                     break  # borrowed bytes wait for the QoS pacer, as in collectives
@@ -1482,6 +1479,14 @@ class Engine:
         self.fp_capacity: dict[int, int] = {}  # fp_blob_capacity by world size
         # QoS rate cap: paces this rank's borrowed chunks on 'out' (every operation, every policy).
         self.out_pacer = out_pacer
+
+    def pacer_for(self, plane_name: str, splitter: "Splitter", peer: int) -> Optional[Pacer]:
+        """The pacer a chunk to ``peer`` on ``plane_name`` waits for: borrowed bytes only
+        ('out' while 'up' reaches the peer too); a flow between domains has no other plane
+        and never waits."""
+        if self.out_pacer is None or plane_name != OUT or not splitter.reach(peer)[0]:
+            return None
+        return self.out_pacer
 
     def direct_buffers(self, nbytes: int, capacity: int, npeers: int) -> "DirectBuffers":
         pool = self._direct_pool.get((nbytes, capacity, npeers))

@@ -4,6 +4,8 @@ The dimensions (collective x algorithm, world, size, dtype, op, in-place,
 policy) are covered pairwise; one pool of ranks per world shape is kept alive
 for the whole module.
 """
+import contextlib
+
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
@@ -145,35 +147,46 @@ def test_fixed_half_split_uses_both_planes_and_stays_exact(pools):
         assert abs(bpp["up"] / (bpp["up"] + bpp["out"]) - 0.5) < 0.05
 
 
+@contextlib.contextmanager
+def readds_off(comm):
+    """No probe re-adds 'out' while inside (readd_margin 1: no probe is ever that
+    fast): for tests of what operations do once 'out' is dropped, not of the probes'
+    verdicts, which VM noise can sway (a probe that looked like a gain kept 'out'
+    in use for a whole run once in a fresh-clone CI)."""
+    config = comm._engine.controller.config
+    saved, config.readd_margin = config.readd_margin, 1.0
+    try:
+        yield
+    finally:
+        config.readd_margin = saved
+
+
 def settled_adaptive_run(comm, n_ops):
     """Adaptive all_reduces on the default planes, where 'out' (tcp on the same
     cores) never pays: what each operation did and whether it was exact.
 
-    A fresh communicator starts with 'out' dropped; re-adds are switched off
-    here (readd_margin 1: no probe is ever that fast), because this test is
-    about what a settled operation does, not about the probes' verdicts: on a
-    noisy VM a probe could look like a gain and keep 'out' in use (0 of 40
-    operations settled once in a fresh-clone CI)."""
+    A fresh communicator starts with 'out' dropped, and re-adds are off
+    (readds_off: 0 of 40 operations settled once in a fresh-clone CI)."""
     comm.set_path_policy("adaptive")
     ctl = comm._engine.controller
-    ctl.config.readd_margin = 1.0
-    x = np.arange(1 << 19, dtype=np.float32) * (comm.rank + 1)
-    expected = np.arange(1 << 19, dtype=np.float32) * sum(range(1, comm.size + 1))
-    out = []
-    for _ in range(n_ops):
-        y = np.empty_like(x)
-        comm.all_reduce(x, y)
-        st = comm.last_stats()
-        snap = ctl.snapshot()
-        out.append({"exact": bool(np.array_equal(y, expected)), "policy": st["policy"],
-                    "planned": st["stages"][0]["split"].get("policy") == "adaptive",
-                    "out_bytes": st["bytes_per_plane"]["out"], "waived": st["protection_waived"],
-                    "protected": st["protected"],
-                    # Why the controller did (not) settle: for a failure's message.
-                    "epoch": comm._epoch, "state": snap["ranks"].get(str(comm.rank)),
-                    "peers_dropped": snap["remote_dropped"], "up_rate": ctl._exported_up_rate,
-                    "events": st.get("events", [])})
-    return out
+    with readds_off(comm):
+        x = np.arange(1 << 19, dtype=np.float32) * (comm.rank + 1)
+        expected = np.arange(1 << 19, dtype=np.float32) * sum(range(1, comm.size + 1))
+        out = []
+        for _ in range(n_ops):
+            y = np.empty_like(x)
+            comm.all_reduce(x, y)
+            st = comm.last_stats()
+            snap = ctl.snapshot()
+            out.append({"exact": bool(np.array_equal(y, expected)), "policy": st["policy"],
+                        "planned": st["stages"][0]["split"].get("policy") == "adaptive",
+                        "out_bytes": st["bytes_per_plane"]["out"], "waived": st["protection_waived"],
+                        "protected": st["protected"],
+                        # Why the controller did (not) settle: for a failure's message.
+                        "epoch": comm._epoch, "state": snap["ranks"].get(str(comm.rank)),
+                        "peers_dropped": snap["remote_dropped"], "up_rate": ctl._exported_up_rate,
+                        "events": st.get("events", [])})
+        return out
 
 
 def test_settled_adaptive_runs_as_up_and_skips_the_done_round():
@@ -200,14 +213,11 @@ def test_settled_adaptive_runs_as_up_and_skips_the_done_round():
 def waiver_agreement_run(comm, n_ops):
     """Adaptive broadcasts (a chain: the root never hears from the last rank)
     between all_reduces (every rank exchanges with every rank) on 3 ranks.
-    Re-adds are off meanwhile (as in settled_adaptive_run): a probe that VM
-    noise makes look like a gain must not keep 'out' in use for the whole run
-    on this shared pool, or no operation could be waived."""
+    Re-adds are off meanwhile (readds_off): on this shared pool, 'out' kept in
+    use for the whole run would leave no operation to waive."""
     comm.set_path_policy("adaptive")
-    config = comm._engine.controller.config
-    saved, config.readd_margin = config.readd_margin, 1.0
     seen = {"broadcast": set(), "all_reduce": set()}
-    try:
+    with readds_off(comm):
         for i in range(n_ops):
             x = np.full(1 << 21, float(comm.rank == i % comm.size), np.float32)
             comm.broadcast(x, root=i % comm.size)
@@ -217,8 +227,6 @@ def waiver_agreement_run(comm, n_ops):
             comm.all_reduce(y)
             assert (y == comm.size).all()
             seen["all_reduce"].add(comm.last_stats()["protection_waived"])
-    finally:
-        config.readd_margin = saved
     return {k: sorted(v) for k, v in seen.items()}
 
 

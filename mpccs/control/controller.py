@@ -981,7 +981,7 @@ class PathController:
         if flags != self._exported_flags:
             self._exported_flags = flags
             self._flags_since = -1 if self._export_epoch is None else self._export_epoch
-        grid_byte = self.probe_grid() // self.config.probe_every if flags else 0
+        grid_byte = _probe_grid(st, self.config.probe_every) // self.config.probe_every if flags else 0
         cached = self._export_cache
         # Regime counts move only with samples: unchanged since the cached
         # export, so is the count (summing it is ~3 us of Python).
