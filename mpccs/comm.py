@@ -14,7 +14,7 @@ import numpy as np
 
 from . import arrays, staging
 from . import algorithms, fingerprint
-from .algorithms import Topology
+from .algorithms import Topology, resumable_in_place
 from .bootstrap import Bootstrap, hostname, rendezvous
 from .config import DEFAULT_UP_TLS_CPU, Options, load_options, parse_policy
 from .engine import DIRECT_MAX_BYTES, CollectiveOp, DirectAllReduceOp, Engine, Operation, RecvOp, SendOp, Splitter
@@ -460,19 +460,24 @@ class Communicator:
             count = None if name == "all_to_allv" else schedule.count
             fp = fingerprint.make(name, op, dtype, schedule.algorithm, schedule.root, chunk_bytes, count, protected,
                                   whole_flows)
-        snapshot, unsaved = None, False
+        snapshot, unsaved, resume = None, False, False
         if protected and name in ("all_reduce", "reduce") and np.shares_memory(buffers["in"], buffers["out"]):
-            # The retry restarts from the caller's input. Under 'adaptive', when
-            # every rank has 'out' dropped with no probe due (the piggybacked
-            # flags say so), skip the copy: a failure then aborts cleanly
-            # instead of retrying (docs/reliability.md).
-            if carries is False:
+            # A retry cannot restart from an input the first attempt reduced
+            # over. Where the schedule allows, it resumes over the buffers as
+            # left instead (algorithms/resume.py); otherwise it restarts from a
+            # copy. Under 'adaptive', when every rank has 'out' dropped with no
+            # probe due (the piggybacked flags say so), skip the copy: a failure
+            # then aborts cleanly instead of retrying (docs/reliability.md).
+            if resumable_in_place(schedule):
+                resume = True
+            elif carries is False:
                 unsaved = True
             else:
                 snapshot = buffers["in"].copy()
         cop = CollectiveOp(self._engine, self._next_seq(), schedule, buffers, dtype, op, splitter,
                            chunk_bytes, name, finalize, fp, protected=protected, snapshot=snapshot,
-                           input_unsaved=unsaved, epoch=epoch, carries_failable=carries, whole_flows=whole_flows)
+                           input_unsaved=unsaved, epoch=epoch, carries_failable=carries, whole_flows=whole_flows,
+                           resume_in_place=resume)
         return self._submit(cop, result, async_op)
 
     def _chunking_for(self, plan: "CallPlan", sends_on_one_plane: bool) -> tuple[int, bool]:

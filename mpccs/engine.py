@@ -36,9 +36,12 @@ from .prologue import DeferredCopies
 from .reduce import reduce_into, reduce_to
 from .telemetry import wall
 from .windows import (OUT, UP, FlowCursor, Pacer, boundary_for, chunk_count, chunk_range, flow_chunk_elems,
-                      flow_min_chunks)
+                      flow_min_chunks, missing_ranges)
 
 MIN_CHUNK_BYTES = 64 << 10
+# QUIESCED payloads: how the sender retries (CollectiveOp._check_retry_modes)
+RETRY_RESTART = b"\0"  # from intact (or restored) inputs
+RETRY_RESUME = b"\1"  # over its buffers as left, each range reduced once
 FP_BYTES = 16  # a fingerprint's two uint64 words
 # Under 'adaptive' a byte after the fingerprint declares whether the sender may
 # put bytes of this operation on a failable plane (0: no declaration, e.g. a
@@ -525,15 +528,20 @@ class CollectiveOp(Operation):
                  splitter: Splitter, chunk_bytes: int, name: str, finalize: Optional[Callable] = None,
                  fingerprint=None, protected: bool = False, snapshot: Optional[np.ndarray] = None,
                  input_unsaved: bool = False, epoch: Optional[int] = None,
-                 carries_failable: Optional[bool] = None, whole_flows: bool = False):
+                 carries_failable: Optional[bool] = None, whole_flows: bool = False,
+                 resume_in_place: bool = False):
         super().__init__(engine, seq)
         # Failover (docs/reliability.md): a protected operation completes only
         # once every rank has all its data (the DONE round), so no rank has
         # handed its buffers back while another may still need a retry; on a
         # plane failure every rank quiesces the attempt and runs it again on
         # the planes left, from its intact inputs (``snapshot`` restores an
-        # in-place input).
+        # in-place input) or, with ``resume_in_place``, over the buffers as
+        # the attempt left them, each range of a reducing flow reduced in
+        # once over all attempts (algorithms/resume.py says when that is exact).
         self.protected = protected
+        self.resume_in_place = resume_in_place
+        self.reduced_ranges: dict[int, list] = {}  # flow id -> [(lo, hi)] reduced in (resume only)
         # False: this rank promised (in its fingerprint message) to send nothing
         # on a failable plane, and keeps the promise by sending on 'up' only.
         # When every rank promised so, no plane failure can touch the
@@ -868,6 +876,7 @@ class CollectiveOp(Operation):
         self.phase = "quiesce"
         self._quiesce_sent = False
         self._quiesced_from: set = set()
+        self._peers_resuming: set = set()
 
     def _advance_quiesce(self) -> bool:
         """Stop posting; let every posted request finish (those on the failed
@@ -876,20 +885,40 @@ class CollectiveOp(Operation):
         moved = self._reap_quiescing()
         moved |= self.engine.drain(self.wire_seq)
         if not self._quiesce_sent and not self.in_chunks and not self.out_chunks:
+            # The payload says how this rank will retry (resume or restart):
+            # every rank must do the same (_check_retry_modes).
+            mode = RETRY_RESUME if self.resume_in_place else RETRY_RESTART
             for peer in self.others:
-                self.engine.send_ctrl(peer, self.wire_seq, wire.CTRL_QUIESCED)
+                self.engine.send_ctrl(peer, self.wire_seq, wire.CTRL_QUIESCED, mode)
             self._quiesce_sent = moved = True
         got = self.engine.take_ctrl(self.wire_seq, wire.CTRL_QUIESCED)
         self._quiesced_from.update(sender for sender, _ in got)
+        self._peers_resuming.update(sender for sender, payload in got if payload[:1] == RETRY_RESUME)
         if self._quiesce_sent and self._quiesced_from.issuperset(self.others):
             # Control messages are ordered per endpoint: every FAILOVER and
             # chunk a peer sent for this attempt is queued before its QUIESCED.
             self.engine.poll_failovers()
             self.engine.drain(self.wire_seq)
             self.engine.failover_notices.pop(self.wire_seq, None)
+            self._check_retry_modes()
             self._retry()
             return True
         return moved or bool(got)
+
+    def _check_retry_modes(self) -> None:
+        """A resuming rank sends what its buffers hold now, which only a resuming
+        receiver reads right; a restarting one expects the schedule's values from
+        the start. Every rank sees the same modes, so all go on or all fail."""
+        resuming = self._peers_resuming | ({self.rank} if self.resume_in_place else set())
+        if resuming and len(resuming) < len(self.others) + 1:
+            restarting = sorted(set(self.others) - resuming) if self.resume_in_place else [self.rank]
+            err = TransportError(
+                f"plane {self.failover['plane']!r} failed during {self.name} #{self.seq} and it cannot be retried: "
+                f"ranks {sorted(resuming)} called it in place and ranks {restarting} (at least) did not, "
+                "so their retries would not fit (call all_reduce in place on every rank or on none)",
+                rank=self.rank, plane=self.failover["plane"], op=self.name, stage=self.failover["stage"])
+            err.peers_told = True  # every rank reaches this verdict from the same QUIESCED messages
+            raise err
 
     def _reap_quiescing(self) -> bool:
         """Forget finished requests; park those on a downed plane (a dead link
@@ -926,6 +955,9 @@ class CollectiveOp(Operation):
         self.splitter = self.splitter.without(self.engine.health.down)
         if self.snapshot is not None:
             np.copyto(self.buffers["in"], self.snapshot)
+        if self.resume_in_place:
+            self.failover["resumed_elements"] = sum(hi - lo for ranges in self.reduced_ranges.values()
+                                                    for lo, hi in ranges)
         self.failover.update(retry_seq=self.wire_seq, retry_planes=sorted(self.splitter.planes),
                              quiesce_s=round(time.perf_counter() - self._t_failover, 4))
         self.events.append({"kind": "retry", "op": self.name, "seq": self.seq, "planes": sorted(self.splitter.planes)})
@@ -984,15 +1016,30 @@ class CollectiveOp(Operation):
             if scratch is not None:
                 offset, nelems = chunk_range(index, inflow.flow.count, inflow.chunk_elems)
                 incoming = scratch[:nbytes].view(self.dtype)
-                if inflow.acc is not None:
-                    reduce_to(inflow.view[offset : offset + nelems], inflow.acc[offset : offset + nelems],
-                              incoming, self.op)
+                if self.resume_in_place:
+                    self._reduce_once(inflow, offset, nelems, incoming)
                 else:
-                    reduce_into(inflow.view[offset : offset + nelems], incoming, self.op)
+                    self._reduce(inflow, offset, offset + nelems, incoming)
                 self.engine.release_scratch(scratch)
             inflow.arrived += 1
         self.in_chunks = still
         return moved
+
+    def _reduce(self, inflow: InFlow, lo: int, hi: int, incoming: np.ndarray) -> None:
+        """Reduce ``incoming`` (elements lo..hi of the flow) into the destination."""
+        if inflow.acc is not None:
+            reduce_to(inflow.view[lo:hi], inflow.acc[lo:hi], incoming, self.op)
+        else:
+            reduce_into(inflow.view[lo:hi], incoming, self.op)
+
+    def _reduce_once(self, inflow: InFlow, offset: int, nelems: int, incoming: np.ndarray) -> None:
+        """Resume mode: reduce only what no attempt has reduced in yet (a retry's
+        chunks may straddle ranges the failed attempt already reduced)."""
+        done = self.reduced_ranges.setdefault(inflow.flow.id, [])
+        hi = offset + nelems
+        for lo_part, hi_part in (((offset, hi),) if self.attempt == 0 else missing_ranges(done, offset, hi)):
+            self._reduce(inflow, lo_part, hi_part, incoming[lo_part - offset : hi_part - offset])
+        done.append((offset, hi))
 
     def _reap_sends(self) -> bool:
         if not self.out_chunks:
@@ -1121,6 +1168,15 @@ class CollectiveOp(Operation):
             "waiting_for": waiting_in,
         }
 
+    def _input_saved(self) -> Optional[str]:
+        """How a retry would recover an in-place input: 'copy', 'resume', 'none'
+        (aborts instead), or None (nothing to recover: out of place or unprotected)."""
+        if self.snapshot is not None:
+            return "copy"
+        if self.resume_in_place:
+            return "resume"
+        return "none" if self.input_unsaved else None
+
     def stats(self) -> dict:
         out = super().stats()
         out.update(
@@ -1128,6 +1184,7 @@ class CollectiveOp(Operation):
             chunk_bytes=self.plan_chunk_elems * self.itemsize, whole_flows=self.flow_min_chunks == 1,
             policy=self.splitter.name, stages=self.stage_log,
             protected=self.protected, protection_waived=self.protection_waived,
+            input_saved=self._input_saved(),
         )
         if self.attempt or self.events:
             out.update(attempts=self.attempt + 1, failover=self.failover, events=list(self.events))

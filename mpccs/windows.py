@@ -25,6 +25,22 @@ def chunk_range(index: int, count: int, chunk_elems: int) -> tuple[int, int]:
     return start, min(chunk_elems, count - start)
 
 
+def missing_ranges(done, lo: int, hi: int) -> list[tuple[int, int]]:
+    """The parts of [lo, hi) that no (start, end) range in ``done`` covers, in order."""
+    parts, at = [], lo
+    for start, end in sorted(done):
+        if end <= at or start >= hi:
+            continue
+        if start > at:
+            parts.append((at, start))
+        at = max(at, end)
+        if at >= hi:
+            break
+    if at < hi:
+        parts.append((at, hi))
+    return parts
+
+
 @dataclass
 class FlowCursor:
     """Which chunks of one outgoing flow are assigned, started and left.

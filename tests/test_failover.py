@@ -22,7 +22,7 @@ from mpccs.testbed import Cluster, TestbedUnavailable, check_available
 
 BIN = os.path.dirname(sys.executable)
 JOB = os.path.join(os.path.dirname(__file__), "programs", "failover_job.py")
-COLLECTIVES = ["all_reduce", "all_reduce_inplace", "all_gather", "all_to_all"]
+COLLECTIVES = ["all_reduce", "all_reduce_inplace", "all_reduce_inplace_late", "all_gather", "all_to_all"]
 
 
 def clean_env():
@@ -51,6 +51,13 @@ def check_rows(rows_by_rank: dict, size: int, how: str) -> None:
             assert how in row["failover"]["reason"], where
             assert row["events"] == ["plane_failure", "retry"], where
             assert row["rejoined_after_ops"] is not None, where
+            if "inplace" in row["collective"]:
+                # ring: the retry resumes over the buffer as left, no input copy
+                assert row["input_saved"] == "resume", where
+                if row["collective"].endswith("_late") and rank == 1:
+                    assert row["failover"]["resumed_elements"] > 0, where
+            else:
+                assert row["input_saved"] is None, where
 
 
 @pytest.mark.parametrize("size", [2, 3])
@@ -102,6 +109,21 @@ def test_two_operations_in_flight_when_the_plane_fails():
         assert second["rejoined_after_ops"] is not None, rows
 
 
+def test_mixed_in_place_and_out_of_place_calls_fail_cleanly_on_every_rank():
+    """Rank 0 resumes (in place, no copy), the others would restart from their
+    inputs: the retries would not fit, so every rank fails with the reason
+    instead of computing a wrong sum."""
+    p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "3", JOB, str(4 << 20), "all_reduce_mixed"],
+                       env=clean_env(), capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    rows_by_rank = results(p.stdout.splitlines())
+    assert sorted(rows_by_rank) == [0, 1, 2], rows_by_rank
+    for rank, (row,) in rows_by_rank.items():
+        assert row["error"] and row["error"].startswith("TransportError"), (rank, row)
+        assert "called it in place" in row["error"] and "cannot be retried" in row["error"], (rank, row)
+        assert row["aborted"], (rank, row)
+
+
 def test_point_to_point_fails_on_both_ranks_at_once_when_a_plane_dies(tmp_path):
     """Not retried (only collectives are), but never a hang: the receiver hears
     of the sender's failure from its abort, long before its own timeout."""
@@ -121,3 +143,55 @@ def test_point_to_point_fails_on_both_ranks_at_once_when_a_plane_dies(tmp_path):
     assert "rank 0 aborted" in receiver["message"] and "send #1 failed on rank 0" in receiver["message"], receiver
     assert receiver["seconds"] < 5, receiver  # its no-progress timeout is 30 s
     assert sender["after"] == receiver["after"] == "CommunicatorAborted", rows
+
+
+class _PlaneWithOnePing:
+    """A plane holding one PING from rank 1; reconnecting to rank 1 fails or works."""
+
+    def __init__(self, comm_id, connect_error):
+        from types import SimpleNamespace
+
+        from mpccs import wire
+
+        self.queue = [SimpleNamespace(sender_tag=SimpleNamespace(
+            value=wire.make_tag(wire.KIND_CTRL, comm_id, 7, 1, wire.CTRL_PING)))]
+        self.connect_error, self.sent = connect_error, []
+
+    def probe(self, tag, mask):
+        from mpccs import wire
+
+        kind = wire.split_tag(tag)[4]
+        hits = [p for p in self.queue if wire.split_tag(p.sender_tag.value)[4] == kind]
+        return hits[0] if hits else None
+
+    def take(self, probe, timeout_s):
+        self.queue.remove(probe)
+
+    def reconnect(self, peer):
+        if self.connect_error:
+            from mpccs.errors import TransportError
+
+            raise TransportError("cannot connect: Destination is unreachable", rank=0, plane="out", peer=peer)
+
+    def send(self, peer, buf, tag):
+        from types import SimpleNamespace
+
+        from mpccs import wire
+
+        self.sent.append((peer, wire.split_tag(tag)[4]))
+        return SimpleNamespace(completed=True)
+
+
+@pytest.mark.parametrize("connect_error", [True, False])
+def test_a_ping_from_a_rejoining_peer_that_cannot_be_reached_yet_goes_unanswered(connect_error):
+    """Right after a link returns, connecting back may find no route yet: the
+    ping stays unanswered (the peer's probe rests and tries again) instead of
+    failing whatever operation this rank is driving (seen on the testbed)."""
+    from mpccs import wire
+    from mpccs.health import PlaneHealth
+
+    plane = _PlaneWithOnePing(comm_id=3, connect_error=connect_error)
+    health = PlaneHealth(rank=0, comm_id=3, planes={"out": plane}, timeout_s=1.0, reprobe_s=1.0)
+    health.serve()
+    assert plane.queue == []  # the ping was consumed either way
+    assert plane.sent == ([] if connect_error else [(1, wire.CTRL_PONG)])

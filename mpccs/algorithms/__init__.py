@@ -4,7 +4,8 @@
 :class:`Schedule`; ``ALGORITHMS`` lists the algorithm names per collective;
 ``default_algorithm`` is the fallback choice; ``describe``/``to_dot`` render
 a plan; ``execute`` is the numpy reference executor and ``check_schedule``
-the static checker the engine and simulator are validated against.
+the static checker the engine and simulator are validated against;
+``resumable_in_place`` says when an in-place retry needs no input copy.
 """
 from .interpret import (
     buffer_counts,
@@ -18,6 +19,7 @@ from .interpret import (
 )
 from .plan import describe, to_dot
 from .registry import ALGORITHMS, build_schedule, default_algorithm
+from .resume import resumable_in_place
 from .schedule import BUFFERS, COLLECTIVES, Flow, LocalCopy, Schedule, Stage, Topology
 from ._builder import MAX_FLOW_ID, REMOTE_OFFSET
 
@@ -43,5 +45,6 @@ __all__ = [
     "execute_async",
     "merge_local_schedules",
     "reference",
+    "resumable_in_place",
     "to_dot",
 ]

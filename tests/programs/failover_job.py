@@ -31,7 +31,7 @@ def inputs(name, rank, size, n):
 
     if name == "all_reduce":
         return data(rank), np.empty(n, np.int64), sum(data(r) for r in range(size))
-    if name == "all_reduce_inplace":
+    if name in ("all_reduce_inplace", "all_reduce_inplace_late"):
         buf = data(rank)
         return buf, None, sum(data(r) for r in range(size))
     if name == "all_gather":
@@ -55,10 +55,14 @@ def restore_link():
         subprocess.run(RESTORE, shell=True, check=True)
 
 
-def fail_under(comm, works) -> None:
-    """Rank 1 fails the link once the first operation has bytes in flight on 'out'."""
+def fail_under(comm, works, late=False) -> None:
+    """Rank 1 fails the link once the first operation has bytes in flight on 'out'
+    (late: once rank 1 has also finished its first stage, so its retry resumes
+    over ranges it already reduced)."""
     if comm.rank == 1:
-        while works[0]._op.bytes_per_plane["out"] == 0 and not works[0].is_completed():
+        op = works[0]._op
+        while ((op.bytes_per_plane["out"] == 0 or (late and op.stages_done == 0 and op.phase == "run"))
+               and not works[0].is_completed()):
             pass
         fail_link(comm)
 
@@ -66,7 +70,8 @@ def fail_under(comm, works) -> None:
 def row_of(name, work, exact) -> dict:
     stats = work.stats()
     return {"collective": name, "exact": exact, "attempts": stats.get("attempts", 1),
-            "failover": stats.get("failover"), "events": [e["kind"] for e in stats.get("events", [])]}
+            "failover": stats.get("failover"), "events": [e["kind"] for e in stats.get("events", [])],
+            "input_saved": stats.get("input_saved")}
 
 
 def two_in_flight(comm, n):
@@ -84,15 +89,36 @@ def two_in_flight(comm, n):
             row_of("two_in_flight[1]", works[1], bool(np.array_equal(b_buf, b_expected)))]
 
 
+def mixed_in_place(comm, n):
+    """Rank 0 calls all_reduce in place, the others out of place, and the link fails:
+    their retries would not fit, so every rank must fail cleanly (and say why)."""
+    send, recv, _ = inputs("all_reduce", comm.rank, comm.size, n)
+    comm.barrier()
+    work = comm.all_reduce(send, None if comm.rank == 0 else recv, async_op=True)
+    fail_under(comm, [work])
+    try:
+        work.wait()
+        error = None
+    except mpccs.MpccsError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return [{"collective": "all_reduce_mixed", "error": error, "aborted": comm._aborted is not None}]
+
+
+def collective_of(name):
+    return name.replace("_inplace", "").replace("_late", "")
+
+
 def run(comm, name, n):
+    if name == "all_reduce_mixed":
+        return mixed_in_place(comm, n)  # the communicator is aborted after it: run it last
     if name == "two_in_flight":
         rows = two_in_flight(comm, n)
         name = "all_reduce"
     else:
         send, recv, expected = inputs(name, comm.rank, comm.size, n)
         comm.barrier()
-        work = getattr(comm, name.replace("_inplace", ""))(send, recv, async_op=True)
-        fail_under(comm, [work])
+        work = getattr(comm, collective_of(name))(send, recv, async_op=True)
+        fail_under(comm, [work], late=name.endswith("_late"))
         work.wait()
         rows = [row_of(name, work, bool(np.array_equal(send if recv is None else recv, expected)))]
     if comm.rank == 1:
@@ -102,7 +128,7 @@ def run(comm, name, n):
 
 
 def wait_for_rejoin(comm, name, n):
-    call = getattr(comm, name.replace("_inplace", ""))
+    call = getattr(comm, collective_of(name))
     # Later operations: the plane rejoins after the reprobe period and carries bytes again.
     rejoined_after = None
     deadline = time.monotonic() + 30
