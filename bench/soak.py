@@ -1,6 +1,7 @@
 """Soak: thousands of random collectives with scale-out failures injected.
 
     python bench/soak.py -n 2 --ops 2000 [--seed 1] [--fail-rate 0.03] [--json out.json]
+    python bench/soak.py -n 3 --ops 1000 --focus resume --late-ms 5 --fail-rate 0.2
 
 Every rank draws the same sequence from the seed: collective, size, dtype,
 reduction op, path policy, in place or not. The first WARM_OPS operations
@@ -31,6 +32,7 @@ WARM_FAILURES = {2: 0, 6: 1}  # sweep operation -> rank that fails: largest size
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce")
 POLICIES = ("up", "out", 0.5, "adaptive")
 SIZES = (1, 3, 17, 1000, 4099, 65536, 300_000, 1 << 20)  # elements per rank block
+RESUME_SPLITS = (0.3, 0.5, 0.8)  # --focus resume: 'out' always carries bytes
 
 
 def dtypes():
@@ -60,10 +62,12 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def draw(rng, i: int, kinds: list) -> dict:
+def draw(rng, i: int, kinds: list, focus: str = "all") -> dict:
     """Operation i: first every collective at the largest size and every
     (dtype, op) kernel through a reduction, so all compiling and pool growth
-    happens before WARM_OPS; then random."""
+    happens before WARM_OPS; then random (focus 'resume': from WARM_OPS on,
+    in-place all_reduce of at least 64K elements under a fixed split, the calls
+    whose retries resume over the buffer as left)."""
     spec = {"collective": COLLECTIVES[int(rng.integers(len(COLLECTIVES)))],
             "count": int(rng.choice(SIZES)), "policy": POLICIES[int(rng.integers(len(POLICIES)))],
             "inplace": bool(rng.integers(2)), "root": int(rng.integers(1 << 16)), "seed": int(rng.integers(1 << 30))}
@@ -74,6 +78,9 @@ def draw(rng, i: int, kinds: list) -> dict:
     elif i < sweep + len(kinds):
         dtype, op = kinds[i - sweep]
         spec.update(collective=("all_reduce", "reduce_scatter", "reduce")[i % 3], inplace=bool(i % 2))
+    elif focus == "resume" and i >= WARM_OPS:
+        spec.update(collective="all_reduce", inplace=True, count=int(rng.choice([c for c in SIZES if c >= 65536])),
+                    policy=float(rng.choice(RESUME_SPLITS)))
     if spec["collective"] not in ("all_reduce", "reduce_scatter", "reduce"):
         op = "sum"
     return {**spec, "dtype": dtype, "op": op}
@@ -127,7 +134,7 @@ def warm_receive_pools(comm) -> None:
                 run()
 
 
-def run_one(comm, spec, inject: bool) -> tuple[bool, dict]:
+def run_one(comm, spec, inject: bool, late_s: float = 0.0) -> tuple[bool, dict]:
     size, rank, n = comm.size, comm.rank, spec["count"]
     name, op, dtype = spec["collective"], spec["op"], spec["dtype"]
     root = spec["root"] % size
@@ -161,6 +168,11 @@ def run_one(comm, spec, inject: bool) -> tuple[bool, dict]:
         deadline = time.monotonic() + 0.2
         while work._op.bytes_per_plane["out"] == 0 and not work.is_completed() and time.monotonic() < deadline:
             pass
+        # then a little later, at a random point (each stage and reduction
+        # state of the retry's starting point gets its turn)
+        late = time.monotonic() + late_s
+        while time.monotonic() < late and not work.is_completed():
+            pass
         comm._planes["out"].sever()
     work.wait()
     stats = work.stats()
@@ -181,12 +193,15 @@ def rank_main(args) -> int:
     rng = np.random.default_rng(args.seed)
     kinds = [(d, o) for d in dtypes() for o in ops_for(d)]
     summary = {"ops": args.ops, "ranks": comm.size, "seed": args.seed, "wrong": [], "errors": [],
-               "failures_injected": 0, "failovers": 0, "rejoins": 0}
+               "focus": args.focus, "late_ms": args.late_ms,
+               "failures_injected": 0, "failovers": 0, "rejoins": 0, "resumed_in_place": 0,
+               "resumed_over_reduced": 0}
     rss_warm = None
     t0 = time.monotonic()
     for i in range(args.ops):
-        spec = draw(rng, i, kinds)
+        spec = draw(rng, i, kinds, args.focus)
         victim = int(rng.integers(comm.size))
+        late_s = float(rng.uniform(0, args.late_ms)) / 1e3 if args.late_ms else 0.0  # (the default draws stay as they were)
         inject = i >= WARM_OPS and rng.random() < args.fail_rate and comm.rank == victim
         # Two failures in the warm sweep (large operations on both planes, one
         # per rank of the first two), so
@@ -202,11 +217,16 @@ def rank_main(args) -> int:
                 tracemalloc.start(8)
                 snap0 = tracemalloc.take_snapshot()
         try:
-            ok, stats = run_one(comm, spec, inject)
+            ok, stats = run_one(comm, spec, inject, late_s)
         except Exception as exc:  # noqa: BLE001 - reported, the soak stops
             summary["errors"].append({"op": i, "spec": {**spec, "dtype": str(spec["dtype"])}, "error": repr(exc)})
             break
         summary["failures_injected"] += inject
+        # retries of in-place reductions that resumed over the buffer as left (no input copy)
+        if stats.get("attempts", 1) > 1 and stats.get("input_saved") == "resume":
+            summary["resumed_in_place"] += 1
+            # ... over ranges the failed attempt had already reduced in on this rank
+            summary["resumed_over_reduced"] += (stats.get("failover") or {}).get("resumed_elements", 0) > 0
         if not ok:
             summary["wrong"].append({"op": i, "spec": {**spec, "dtype": str(spec["dtype"])}})
         if (i + 1) % 250 == 0:
@@ -249,6 +269,10 @@ def main() -> None:
     p.add_argument("--fail-rate", type=float, default=0.03, help="chance per operation of a scale-out failure (0.03)")
     p.add_argument("--reprobe", type=float, default=0.5, help="MPCCS_REPROBE for the run (0.5 s)")
     p.add_argument("--timeout", type=float, default=30.0, help="no-progress timeout per operation (30 s)")
+    p.add_argument("--focus", choices=("all", "resume"), default="all",
+                   help="'resume': in-place all_reduce under fixed splits only (after the warm-up)")
+    p.add_argument("--late-ms", type=float, default=0.0,
+                   help="fail up to this many ms after the first bytes on 'out' (uniform; 0)")
     p.add_argument("--json", help="write every rank's summary here")
     p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -256,7 +280,8 @@ def main() -> None:
         sys.exit(rank_main(args))
     cmd = [os.path.join(os.path.dirname(sys.executable), "mpccs-run"), "-n", str(args.np), sys.executable,
            __file__, "--rank", "--ops", str(args.ops), "--seed", str(args.seed), "--fail-rate", str(args.fail_rate),
-           "--reprobe", str(args.reprobe), "--timeout", str(args.timeout)]
+           "--reprobe", str(args.reprobe), "--timeout", str(args.timeout), "--focus", args.focus,
+           "--late-ms", str(args.late_ms)]
     # A fixed mmap threshold: glibc's dynamic one rises after large arrays are
     # freed, so later ones land in the heap and fragment it, and RSS then steps
     # up by an array's size without any leak. Fixed, RSS measures what is held.

@@ -12,25 +12,30 @@ import pytest
 SOAK = os.path.join(os.path.dirname(__file__), "..", "bench", "soak.py")
 
 
-@pytest.mark.parametrize("ranks,seed,extra_env", [
-    (2, 3, {}),
-    (3, 4, {}),
+@pytest.mark.parametrize("ranks,seed,extra_env,extra_args", [
+    (2, 3, {}, []),
+    (3, 4, {}, []),
     # Borrowed chunks on 'out' paced by the QoS rate cap, through failovers and rejoins.
-    (2, 5, {"MPCCS_OUT_CAP_RATE": "200mbit"}),
-], ids=["2ranks", "3ranks", "2ranks-paced"])
-def test_short_soak(tmp_path, ranks, seed, extra_env):
+    (2, 5, {"MPCCS_OUT_CAP_RATE": "200mbit"}, []),
+    # In-place all_reduce only, failed at random points: retries resume over the buffer as left.
+    (3, 6, {}, ["--focus", "resume", "--late-ms", "5", "--reprobe", "0.2"]),
+], ids=["2ranks", "3ranks", "2ranks-paced", "3ranks-resume"])
+def test_short_soak(tmp_path, ranks, seed, extra_env, extra_args):
     out = tmp_path / "soak.json"
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_", "MPCCS_"))}
     env.update(extra_env)
+    resume = "resume" in extra_args
     p = subprocess.run([sys.executable, SOAK, "-n", str(ranks), "--ops", "200", "--seed", str(seed),
-                        "--fail-rate", "0.08", "--json", str(out)],
+                        "--fail-rate", "0.3" if resume else "0.08", "--json", str(out), *extra_args],
                        capture_output=True, text=True, timeout=300, env=env)
     summaries = json.loads(out.read_text()) if out.exists() else []
     assert len(summaries) == ranks, p.stdout[-3000:] + p.stderr[-2000:]
     for s in summaries:
         assert s["wrong"] == [] and s["errors"] == [], s
         assert s["failovers"] >= 1 and s["rejoins"] >= 1, s  # failures were injected and survived
+        if resume:
+            assert s["resumed_in_place"] >= 3, s
         # 200 operations are too few for a leak figure (the 2000-op run checks <10%); this only
         # catches a gross one, e.g. a buffer per operation kept alive.
         assert s["rss_growth"] < 0.5, s
