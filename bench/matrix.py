@@ -55,7 +55,11 @@ UP_RATE, OUT_RATE, BG_RATE, SHARED_RATE = "1gbit", "500mbit", "250mbit", "1gbit"
 UP_BPS, OUT_BPS, BG_BPS = 1e9, 500e6, 250e6
 CAP = 0.3
 RATE_CAP = "250mbit"  # MPCCS_OUT_CAP_RATE of the rate-capped run: the background's fair share
-SERIES = ("background", "background_cap", "background_rate_cap", "background_fixed", "failure")
+SERIES = ("background", "background_cap", "background_rate_cap", "background_fixed", "background_sweep", "failure")
+# fixed fractions on 'up' the sweep series cycles through, one per operation: the best of them under
+# the background load is the reference of the convergence target (the benchmarks issue, target 5)
+SWEEP_FRACTIONS = (0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9)
+SETTLE_S = 1.0  # sweep operations this soon after a change are not used (the load ramps up)
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 POLICIES = "up,up,out,0.8,adaptive"
 LABELS = ("up", "up#2", "out", "0.8", "adaptive")
@@ -121,7 +125,8 @@ def rank_perf(argv: list[str]) -> int:
 
 
 def rank_series(argv: list[str]) -> int:
-    """Repeated all_reduce of NBYTES under POLICY until the wall-clock deadline (all ranks agree)."""
+    """Repeated all_reduce of NBYTES under POLICY until the wall-clock deadline (all ranks agree).
+    POLICY 'sweep:F1,F2,...' cycles through fixed fractions, one per operation."""
     out, nbytes, policy, deadline = argv[0], int(argv[1]), argv[2], float(argv[3])
     import resource
 
@@ -129,20 +134,22 @@ def rank_series(argv: list[str]) -> int:
     from mpccs.config import parse_policy
 
     comm = mpccs.init()
-    policy = parse_policy(policy)
+    policies = ([parse_policy(f) for f in policy.split(":", 1)[1].split(",")] if policy.startswith("sweep:")
+                else [parse_policy(policy)])
     x = np.ones(nbytes // 4, np.float32)
     flag = np.zeros(1, np.float32)
     ops = []
     c_start = time.process_time()
     while True:
         x[...] = 1.0
+        policy = policies[len(ops) % len(policies)]  # every rank counts the same operations
         comm.set_path_policy(policy)
         t_wall, c0, t0 = time.time(), time.process_time(), time.perf_counter()
         comm.all_reduce(x)
         dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         stats = comm.last_stats() or {}
         ops.append({"t": t_wall, "dt": dt, "cpu": cpu, "bytes_per_plane": stats.get("bytes_per_plane"),
-                    "attempts": stats.get("attempts", 1)})
+                    "attempts": stats.get("attempts", 1), "policy": str(policy)})
         # the stop decision: one tiny all_reduce on 'up' (never on the plane that may be down)
         comm.set_path_policy("up")
         flag[0] = 1.0 if time.time() > deadline else 0.0
@@ -438,6 +445,8 @@ def measure(ns, plan: dict) -> None:
                     "background_rate_cap": ("adaptive", plan["bg_series"], dict(env, MPCCS_OUT_CAP_RATE=RATE_CAP),
                                             "background"),
                     "background_fixed": ("0.667", plan["bg_series"], env, "background"),
+                    "background_sweep": ("sweep:" + ",".join(map(str, SWEEP_FRACTIONS)), plan["bg_series"], env,
+                                         "background"),
                     "failure": ("adaptive", plan["fail_series"], env, "failure"),
                 }
                 for name in SERIES:
@@ -456,7 +465,15 @@ def measure(ns, plan: dict) -> None:
     meta["load_at_end"] = os.getloadavg()
     meta["end"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     log.close()
-    with open(os.path.join(raw, "meta.json"), "w") as fh:
+    meta_path = os.path.join(raw, "meta.json")
+    if not set(conditions) & set(CONDITIONS) and os.path.exists(meta_path):
+        # series only, into an existing matrix: keep the matrix's record, note this run beside it
+        full = load(meta_path)
+        full.setdefault("partial_runs", []).append(
+            {k: meta[k] for k in ("command", "start", "end", "runtime_s", "library_start", "library_end", "clusters",
+                                  "calibration") if k in meta})
+        meta = full
+    with open(meta_path, "w") as fh:
         json.dump(meta, fh, indent=1, default=str)
 
 
@@ -648,9 +665,7 @@ def analyse_series(raw: str, name: str) -> dict | None:
         ops[k].sort()
     rank_ops = ops.get(0, []) or ops.get(1, [])
     # change points (wall) from the testbed's events
-    kinds = {"background_start": "background on", "background_stop": "background off",
-             "link_down": "link down", "link_up": "link up"}
-    changes = [(e["wall"], kinds[e["event"]]) for e in run["events"] if e["event"] in kinds]
+    changes = change_points(run)
     first = load(f"{base}.ops.rank0.json")["ops"][0]["t"] if os.path.exists(f"{base}.ops.rank0.json") else None
     t0 = rank_ops[0][0] if rank_ops else (first or 0)
     out["t0"] = t0
@@ -712,6 +727,96 @@ def analyse_series(raw: str, name: str) -> dict | None:
                 "wall_s": d["ops"][-1]["t"] - d["ops"][0]["t"] if d["ops"] else 0,
                 "cpu_ms_per_op": 1e3 * float(np.median([o["cpu"] for o in d["ops"]])) if d["ops"] else None,
                 "metrics": d.get("metrics")}
+    return out
+
+
+def lockstep_ops(base: str) -> list[dict]:
+    """Both ranks' operations of a series, paired by index (the ranks run them in lockstep): start
+    (wall), time (the slower rank), the share of all bytes on 'up' (both ranks), and the policy."""
+    per_rank = [load(f"{base}.ops.rank{k}.json")["ops"] for k in (0, 1) if os.path.exists(f"{base}.ops.rank{k}.json")]
+    if len(per_rank) < 2:
+        return []
+    rows = []
+    for pair in zip(*per_rank):
+        planes = [o.get("bytes_per_plane") or {} for o in pair]
+        total = sum(sum(p.values()) for p in planes)
+        rows.append({"t": min(o["t"] for o in pair), "dt": max(o["dt"] for o in pair),
+                     "share_up": sum(p.get("up", 0) for p in planes) / total if total else None,
+                     "policy": pair[0].get("policy")})
+    return rows
+
+
+def change_points(run: dict) -> list[tuple[float, str]]:
+    """(wall time, label) of each change. The background's load starts when its first byte
+    arrives (~0.1-0.15 s after the testbed starts the sender) and ends with its last byte."""
+    kinds = {"background_start": "background on", "background_stop": "background off",
+             "link_down": "link down", "link_up": "link up"}
+    flow = (run.get("background") or [{}])[0]
+    load_edges = {"background_start": flow.get("first_byte"), "background_stop": flow.get("last_byte")}
+    return [(load_edges.get(e["event"]) or e["wall"], kinds[e["event"]]) for e in run["events"] if e["event"] in kinds]
+
+
+def segment_rows(rows: list[dict], changes: list, label: str, settle_s: float = 0.0) -> list[dict]:
+    """Rows that started after the change ``label`` (plus settle_s) and before the next change."""
+    bounds = [w for w, _ in changes] + [float("inf")]
+    for i, (w, lab) in enumerate(changes):
+        if lab == label:
+            return [r for r in rows if w + settle_s <= r["t"] < bounds[i + 1]]
+    first = changes[0][0] if changes else float("inf")
+    return [r for r in rows if r["t"] < first] if label == "start" else []
+
+
+def analyse_sweep(raw: str) -> dict | None:
+    """The fixed-fraction sweep: per load segment, each fraction's operation time; the best
+    fraction (lowest median time) is the reference a converged 'adaptive' share is judged against."""
+    base = os.path.join(raw, "series", "background_sweep")
+    if not os.path.exists(f"{base}.run.json"):
+        return None
+    run = load(f"{base}.run.json")
+    rows, changes = lockstep_ops(base), change_points(run)
+    out = {"segments": {}, "background": run.get("background")}
+    for label in ("start", "background on", "background off"):
+        seg = segment_rows(rows, changes, label, 0.0 if label == "start" else SETTLE_S)
+        by = {}
+        for r in seg:
+            by.setdefault(r["policy"], []).append(r["dt"])
+        if not by:
+            continue
+        stats = {p: {"n": len(v), "median_ms": float(np.median(v)) * 1e3,
+                     "p25_ms": float(np.percentile(v, 25)) * 1e3, "p75_ms": float(np.percentile(v, 75)) * 1e3}
+                 for p, v in sorted(by.items(), key=lambda kv: float(kv[0]))}
+        best = min(stats, key=lambda p: stats[p]["median_ms"])
+        out["segments"][label] = {"by_fraction": stats, "best": float(best), "best_ms": stats[best]["median_ms"]}
+    return out
+
+
+def converge_to_sweep(raw: str, name: str, sweep: dict | None) -> dict:
+    """The target's convergence test: after each load change, when the 5-operation mean of the
+    share on 'up' comes within TOLERANCE of the sweep's best fraction, for all bytes (both ranks)
+    and for each rank's own sends (each rank splits its own; only rank 1's cross the loaded link).
+    With it, the operation time against the best fixed fraction's (after SETTLE_S)."""
+    base = os.path.join(raw, "series", name)
+    if not sweep or not os.path.exists(f"{base}.run.json"):
+        return {}
+    rows, changes = lockstep_ops(base), change_points(load(f"{base}.run.json"))
+    per_rank = [load(f"{base}.ops.rank{k}.json")["ops"] for k in (0, 1)]
+    out = {}
+    for label in ("background on", "background off"):
+        ref = sweep["segments"].get(label) or {}
+        seg = segment_rows(rows, changes, label)
+        if not ref or not seg:
+            continue
+        first = rows.index(seg[0])
+        shares = {"all": [r["share_up"] for r in seg]}
+        for k, ops in enumerate(per_rank):
+            shares[f"rank {k}"] = [o["bytes_per_plane"]["up"] / sum(o["bytes_per_plane"].values())
+                                   for o in ops[first:first + len(seg)]]
+        settled = [r["dt"] for r in segment_rows(rows, changes, label, SETTLE_S)]
+        op_ms = float(np.median(settled)) * 1e3 if settled else None
+        out[label] = {"best_fixed": ref["best"], "best_fixed_ms": ref["best_ms"], "ops": len(seg),
+                      "median_op_ms": op_ms, "time_vs_best_fixed": ref["best_ms"] / op_ms if op_ms else None,
+                      "shares": {who: {"mean": float(np.mean(v)), "first": [round(x, 3) for x in v[:8]],
+                                       **near_model(v, ref["best"])} for who, v in shares.items()}}
     return out
 
 
@@ -888,7 +993,12 @@ def library_lines(meta: dict) -> list[str]:
     mods = ", ".join(m.strip() for m in start.get("modified") or []) or "none"
     out = [f"- library: commit {start.get('commit')}, uncommitted changes under mpccs/ at the start: {mods}; "
            f"code hash {start['hash']} at the start, {(meta.get('library_end') or {}).get('hash')} at the end."]
-    if len(groups) > 1 or changed:
+    partial = meta.get("partial_runs") or []
+    for pr in partial:
+        lib = pr.get("library_start") or {}
+        out.append(f"- series re-run into this matrix at {pr.get('start')}: `{pr.get('command')}` (commit "
+                   f"{lib.get('commit')}, code hash {lib.get('hash')}); the cells and other series are from the run above.")
+    if (len(groups) > 1 or changed) and not partial:
         out.append("- **the library's code changed while this ran** (another engineer's work in progress): "
                    + "; ".join(f"hash {h}: {len(v)} runs ({', '.join(v)})" for h, v in groups.items())
                    + (f". Files changed during {', '.join(changed)} (a rank may have imported either version)."
@@ -1006,11 +1116,47 @@ def verdict_text(cells: list, series: dict) -> str:
                          f"{when(cv)} (rolling), {when(st)} (strict); 5-op mean within 5 points of the model "
                          f"{near}")
         out.append(f"- **time series, {name}**: " + "; ".join(parts) + ".")
+    out += sweep_lines(series.get("_sweep"), series.get("_vs_sweep") or {})
     bg = dict((label, rate) for label, rate, _ in background_rows(series, cells))
     if bg:
         out.append("- **background flow**: " + ", ".join(f"{k} {v * 8 / 1e6:.0f} Mbit/s" for k, v in bg.items())
                    + f" (asked {BG_BPS / 1e6:.0f}).")
     return "\n".join(out)
+
+
+def sweep_lines(sweep: dict | None, vs: dict) -> list[str]:
+    if not sweep or not sweep["segments"]:
+        return []
+    segs = sweep["segments"]
+    labels = [lab for lab in ("start", "background on", "background off") if lab in segs]
+    fractions = sorted({p for lab in labels for p in segs[lab]["by_fraction"]}, key=float)
+    out = [f"- **best fixed fraction** (`background_sweep`: fixed fractions on 'up' in turn, one per 16 MiB "
+           f"all_reduce; median op time in ms [p25-p75], operations within {SETTLE_S:.0f} s of a change left out):",
+           "", "  | fraction on up | " + " | ".join(labels) + " |", "  |---|" + "---|" * len(labels)]
+    for p in fractions:
+        cells = []
+        for lab in labels:
+            st = segs[lab]["by_fraction"].get(p)
+            mark = "**" if st and float(p) == segs[lab]["best"] else ""
+            cells.append(f"{mark}{st['median_ms']:.0f}{mark} [{st['p25_ms']:.0f}-{st['p75_ms']:.0f}] (n={st['n']})"
+                         if st else "-")
+        out.append(f"  | {p} | " + " | ".join(cells) + " |")
+    out.append("")
+    for name, res in vs.items():
+        if not res:
+            continue
+        out.append(f"- **convergence against the sweep, {name}** (from the background's first / last byte; "
+                   "operations until the 5-operation mean of the share on 'up' is within 5 points of the best "
+                   "fixed fraction, the part of the segment inside, the mean and the first shares):")
+        for lab, r in res.items():
+            who = "; ".join(
+                f"{k} " + ("never" if v.get("first_ops") is None else f"{v['first_ops']} ops")
+                + f" ({v['inside']:.0%} inside, mean {v['mean']:.2f}: " + ", ".join(f"{x:.2f}" for x in v["first"]) + ")"
+                for k, v in r["shares"].items())
+            t = (f"; median op {r['median_op_ms']:.0f} ms against {r['best_fixed_ms']:.0f} for the best fixed "
+                 f"fraction ({r['time_vs_best_fixed']:.2f}x its speed)") if r.get("median_op_ms") else ""
+            out.append(f"  - after {lab} (best fixed {r['best_fixed']:.2f}, {r['ops']} operations): {who}{t}.")
+    return out
 
 
 def near_cell(nm) -> str:
@@ -1169,6 +1315,9 @@ def report(out: str) -> str:
             if os.path.exists(rp):
                 runs.append(load(rp))
     series = {name: analyse_series(raw, name) for name in SERIES}
+    series["_sweep"] = analyse_sweep(raw)
+    # the uncapped series only: a cap binds the share by design
+    series["_vs_sweep"] = {"background": converge_to_sweep(raw, "background", series["_sweep"])}
     for name in list(series):
         rp = os.path.join(raw, "series", f"{name}.run.json")
         if os.path.exists(rp):
