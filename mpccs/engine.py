@@ -352,7 +352,7 @@ class StageRun:
     t_start: float
     t_end: Optional[float] = None
     bytes_by_plane: dict = field(default_factory=lambda: {UP: 0, OUT: 0})
-    # (plane, peer) -> [stage start, last arrival, bytes arrived]
+    # (plane, peer) -> [first arrival, last arrival, bytes arrived, chunks arrived]
     arrivals: dict = field(default_factory=dict)
 
     @property
@@ -362,15 +362,16 @@ class StageRun:
     def note_arrival(self, plane: str, peer: int, nbytes: int, now: float) -> None:
         record = self.arrivals.get((plane, peer))
         if record is None:
-            self.arrivals[(plane, peer)] = [self.t_start, now, nbytes]
+            self.arrivals[(plane, peer)] = [now, now, nbytes, 1]
         else:
             record[1] = now
             record[2] += nbytes
+            record[3] += 1
 
     def received_by_plane(self) -> dict:
         """Bytes that arrived in this stage per plane (chunks of at least MIN_SAMPLE_BYTES)."""
         got = {UP: 0, OUT: 0}
-        for (plane, _), (_, _, nbytes) in self.arrivals.items():
+        for (plane, _), (_, _, nbytes, _) in self.arrivals.items():
             got[plane] += nbytes
         return got
 
@@ -382,16 +383,26 @@ class StageRun:
         under an eager protocol only means the socket took them. The sample
         belongs to the peer's path to this rank (controller.on_delivery), and
         the peer learns it from this rank's exported estimates. The interval
-        runs from this rank's stage start to the last arrival: arrival times
-        alone mislead when a flow fits in the socket buffers (the first chunk
-        already waited for most of the transfer), and in symmetric collectives the peer starts the stage
-        about when this rank does (its lateness makes the sample err slow,
-        the safe side). The estimator sees one chunk posted to an idle plane
-        and fits rate and delay from such samples (its idle-only model).
+        ends at the last arrival and starts at this rank's stage start, or
+        later when the peer evidently started later: its first chunk came
+        more than one chunk's spacing (the mean gap between its arrivals)
+        after the stage start. Arrival times alone mislead when a flow fits in
+        the socket buffers (the first chunk already waited for most of the
+        transfer: then the chunks land in a burst at the stage start, and the
+        spacing moves nothing). A late peer, counted from this rank's start,
+        read slow: under a load on one direction of a 2-rank ring the other
+        rank starts each all-gather late, its paths looked 30% slower than
+        they were, it became the critical rank of the plan, and the loaded
+        rank put everything on 'up' (testbed, 1.2x slower operations). The
+        estimator sees one chunk posted to an idle plane and fits rate and
+        delay from such samples (its idle-only model).
         """
-        for (plane, peer), (first, last, nbytes) in self.arrivals.items():
-            if nbytes and last > first:
-                yield plane, peer, nbytes, first, last
+        for (plane, peer), (first, last, nbytes, chunks) in self.arrivals.items():
+            start = self.t_start
+            if chunks > 1:
+                start = max(start, first - (last - first) / (chunks - 1))
+            if nbytes and last > start:
+                yield plane, peer, nbytes, start, last
 
 
 # ---------------------------------------------------------------------------

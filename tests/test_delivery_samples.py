@@ -1,0 +1,36 @@
+"""engine.StageRun's delivery samples: one per (plane, peer) and stage, the
+estimator's view of a link from what arrived over it."""
+import pytest
+
+from mpccs.algorithms.schedule import Stage
+from mpccs.engine import StageRun
+
+MB = 1 << 20
+
+
+def stage_run(t_start, arrivals):
+    run = StageRun(Stage(0, ()), [], [], None, t_start)
+    for plane, peer, nbytes, t in arrivals:
+        run.note_arrival(plane, peer, nbytes, t)
+    return run
+
+
+def test_a_peer_that_started_late_is_timed_from_its_first_chunk_less_one_spacing():
+    # This rank started at 0; the peer's four 1 MB chunks land 10 ms apart from
+    # 50 ms on (it started the stage at ~40 ms): 100 MB/s, not 4 MB / 80 ms.
+    run = stage_run(0.0, [("out", 1, MB, t) for t in (0.05, 0.06, 0.07, 0.08)])
+    (plane, peer, nbytes, start, end), = run.delivery_samples()
+    assert (plane, peer, nbytes) == ("out", 1, 4 * MB)
+    assert start == pytest.approx(0.04) and end == pytest.approx(0.08)
+
+
+def test_chunks_that_waited_in_the_buffers_are_timed_from_the_stage_start():
+    # A burst at the stage start (the flow sat in the socket buffers): the
+    # spacing is tiny, the interval still starts at the stage start.
+    run = stage_run(1.0, [("up", 0, MB, 1.0 + k * 1e-5) for k in range(1, 5)]
+                    + [("out", 0, MB, 1.03)])
+    samples = {(p, q): (start, end) for p, q, _, start, end in run.delivery_samples()}
+    assert samples[("up", 0)] == (1.0, pytest.approx(1.00004))
+    # one chunk: no spacing to go by, the stage start it is
+    assert samples[("out", 0)] == (1.0, 1.03)
+    assert run.received_by_plane() == {"up": 4 * MB, "out": MB}
