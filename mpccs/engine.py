@@ -701,6 +701,7 @@ class CollectiveOp(Operation):
                 and not self._peer_carries and exchanges_with_everyone(self.schedule)):
             self.protected = False
             self.protection_waived = True
+            self.resume_in_place = False  # no retry can come: nothing to record
 
     def _merge_estimates(self, peer: int, buf: np.ndarray) -> None:
         controller = self.engine.controller
