@@ -37,21 +37,31 @@ recursive-doubling all_reduce sends partials it keeps overwriting and uses
 work copies, so it keeps the input copy. Schedules with work buffers or
 local copies other than the in-place identity (``out = in``) are refused:
 a retry would re-run those copies from an input that is gone.
+
+The proof (:func:`proven_resumable`) costs O(events^2) bits (events = ranks x
+stages): 0.3 s for a 72-rank ring, 6 s with 4 channels, and schedules are
+built per message size. So the engine asks :func:`resumable_in_place`, which
+trusts the algorithms listed in ``RESUMABLE``; tests/test_resume.py proves
+them for 2-12 ranks, 1-3 channels and uneven counts, and checks the proof
+itself against a model of the engine.
 """
 from __future__ import annotations
 
 from .schedule import Flow, Schedule
 
-_META_KEY = "resumable_in_place"
+# (collective, algorithm) whose in-place schedules pass proven_resumable
+# wherever they are built (tests/test_resume.py keeps this list honest).
+RESUMABLE = frozenset({("all_reduce", "ring"), ("all_reduce", "rhd"), ("all_reduce", "tree")})
 
 
 def resumable_in_place(schedule: Schedule) -> bool:
-    """True when an in-place call of ``schedule`` may be retried by *resume* (cached in schedule.meta)."""
-    known = schedule.meta.get(_META_KEY)
-    if known is None:
-        known = _copies_allow_resume(schedule) and not _unsafe_pairs(schedule, stop_at_first=True)
-        schedule.meta[_META_KEY] = known
-    return known
+    """True when an in-place call of ``schedule`` may be retried by *resume* (O(prologue))."""
+    return (schedule.collective, schedule.algorithm) in RESUMABLE and _copies_allow_resume(schedule)
+
+
+def proven_resumable(schedule: Schedule) -> bool:
+    """The proof: local copies allow resume and no flow's source is overwritten unsafely."""
+    return _copies_allow_resume(schedule) and not _unsafe_pairs(schedule, stop_at_first=True)
 
 
 def unsafe_pairs(schedule: Schedule) -> list[tuple[Flow, Flow]]:
