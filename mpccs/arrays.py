@@ -54,6 +54,25 @@ def same_dtype(a: np.ndarray, b: np.ndarray, names=("send", "recv")) -> None:
         raise TypeError(f"{names[0]} has dtype {a.dtype} but {names[1]} has {b.dtype}")
 
 
+def check_separate(send: np.ndarray, recv: np.ndarray, *, block_at: int | None = None) -> bool:
+    """Send and receive buffers that overlap are refused (the schedule reads one
+    while it writes the other), except the in-place forms: ``recv`` the very
+    same elements as ``send`` (True: an in-place call), or the smaller of the two
+    exactly the block of the larger at element ``block_at`` (all_gather: send is
+    this rank's block of recv; reduce_scatter: recv is this rank's block of send).
+    Both are 1-D C-contiguous views here, so overlap is a bounds test."""
+    if not np.may_share_memory(send, recv):
+        return False
+    start, sstart = recv.ctypes.data, send.ctypes.data
+    if sstart == start and send.nbytes == recv.nbytes:
+        return True
+    small, large = (send, recv) if send.nbytes < recv.nbytes else (recv, send)
+    if block_at is not None and small.ctypes.data == large.ctypes.data + block_at * large.itemsize:
+        return False  # this rank's own block
+    raise ValueError("send and recv overlap; pass the same array (or recv=None where the call allows it) "
+                     "for an in-place call, or separate arrays")
+
+
 def check_size(actual: int, expected: int, what: str) -> None:
     if actual != expected:
         raise ValueError(f"{what} has {actual} elements, expected {expected}")

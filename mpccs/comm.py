@@ -580,6 +580,8 @@ class Communicator:
         arrays.same_dtype(s, r)
         arrays.check_size(r.size, s.size, "recv")
         arrays.check_op(op, s.dtype)
+        if recv is not None and arrays.check_separate(s, r):
+            r = s  # the same elements passed twice: in place
         if self._direct(s.nbytes, algorithm):
             return self._run_direct("all_reduce", s, r, op, send if recv is None else recv, async_op, self._avg(op, r))
         sched = self._schedule("all_reduce", s.size, s.nbytes, algorithm=algorithm)
@@ -603,6 +605,7 @@ class Communicator:
         arrays.same_dtype(s, r)
         arrays.check_size(s.size, self.size * r.size, "send (size x recv)")
         arrays.check_op(op, s.dtype)
+        arrays.check_separate(s, r, block_at=self.rank * r.size)
         sched = self._schedule("reduce_scatter", r.size, s.nbytes, algorithm=algorithm)
         return self._run("reduce_scatter", sched, {"in": s, "out": r}, s.dtype, op, recv,
                          async_op, self._avg(op, r))
@@ -617,6 +620,7 @@ class Communicator:
         r = arrays.check_array(recv, "recv", writable=True)
         arrays.same_dtype(s, r)
         arrays.check_size(r.size, self.size * s.size, "recv (size x send)")
+        arrays.check_separate(s, r, block_at=self.rank * s.size)
         sched = self._schedule("all_gather", s.size, r.nbytes, algorithm=algorithm)
         return self._run("all_gather", sched, {"in": s, "out": r}, s.dtype, "sum", recv, async_op)
 
@@ -630,6 +634,8 @@ class Communicator:
         r = arrays.check_array(recv, "recv", writable=True)
         arrays.same_dtype(s, r)
         arrays.check_size(r.size, s.size, "recv")
+        if arrays.check_separate(s, r):
+            raise ValueError("all_to_all cannot run in place: pass separate send and recv arrays")
         if s.size % self.size:
             raise ValueError(f"send has {s.size} elements, not a multiple of the communicator size {self.size}")
         sched = self._schedule("all_to_all", s.size // self.size, s.nbytes, algorithm=algorithm)
@@ -648,6 +654,8 @@ class Communicator:
         rc = _counts(recv_counts, self.size, "recv_counts")
         arrays.check_size(s.size, sum(sc), "send (sum of send_counts)")
         arrays.check_size(r.size, sum(rc), "recv (sum of recv_counts)")
+        if arrays.check_separate(s, r):
+            raise ValueError("all_to_allv cannot run in place: pass separate send and recv arrays")
         sched = CallPlan(algorithms.build_schedule("all_to_allv", self.size, 0, algorithm="pairwise",
                                                    topology=self.topology, send_counts=sc, recv_counts=rc, rank=self.rank),
                          self.options.chunk_bytes or DEFAULT_CHUNK_BYTES, sum(sc) * s.itemsize < (256 << 10))
@@ -686,6 +694,8 @@ class Communicator:
             r = s if recv is None else arrays.check_array(recv, "recv", writable=True)
             arrays.same_dtype(s, r)
             arrays.check_size(r.size, s.size, "recv")
+            if recv is not None and arrays.check_separate(s, r):
+                r = s  # the same elements passed twice: in place
         arrays.check_op(op, s.dtype)
         sched = self._schedule("reduce", s.size, s.nbytes, root=root, algorithm=algorithm)
         out = r if r is not None else np.empty(0, dtype=s.dtype)

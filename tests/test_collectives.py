@@ -309,6 +309,7 @@ def test_all_to_allv_uneven_blocks(pools, world):
 def bad_collective_calls(comm):
     kinds = []
     x = np.zeros(8, np.float32)
+    z = np.zeros(8 * comm.size + 8, np.float32)
     calls = [
         lambda: comm.all_reduce(np.zeros(8, np.int32), op="avg"),
         lambda: comm.all_reduce(x, np.zeros(9, np.float32)),
@@ -320,6 +321,11 @@ def bad_collective_calls(comm):
         lambda: comm.broadcast(x, root=comm.size),
         lambda: comm.all_reduce(x, algorithm="butterfly"),
         lambda: comm.all_reduce(np.zeros(4, np.complex64)),
+        # overlapping send and recv that are not an in-place form
+        lambda: comm.all_reduce(z[0:8], z[4:12]),
+        lambda: comm.all_gather(z[1:9], z[: 8 * comm.size]),
+        lambda: comm.all_to_all(x, x),
+        lambda: comm.reduce_scatter(z[: 8 * comm.size], z[2:10]),
     ]
     for call in calls:
         try:
@@ -336,8 +342,29 @@ def bad_collective_calls(comm):
 def test_bad_input_is_rejected_before_anything_is_sent(pools):
     for kinds, value in pools("2").run(bad_collective_calls):
         assert kinds == ["TypeError", "ValueError", "TypeError", "ValueError", "ValueError", "ValueError",
-                         "ValueError", "ValueError", "ValueError", "TypeError"]
+                         "ValueError", "ValueError", "ValueError", "TypeError"] + ["ValueError"] * 4
         assert value == 2.0
+
+
+def in_place_forms(comm):
+    n = 3000  # above the direct path: the DAG's prologue and schedule run
+    x = np.arange(n, dtype=np.float32) + comm.rank
+    comm.all_reduce(x, x)  # the same array twice: in place
+    expected = sum(np.arange(n, dtype=np.float32) + r for r in range(comm.size))
+    g = np.zeros(n * comm.size, np.float32)
+    g[comm.rank * n:(comm.rank + 1) * n] = comm.rank + 1
+    comm.all_gather(g[comm.rank * n:(comm.rank + 1) * n], g)  # send is this rank's block of recv
+    s = np.arange(n * comm.size, dtype=np.float32) * (comm.rank + 1)
+    block = s[comm.rank * n:(comm.rank + 1) * n]
+    comm.reduce_scatter(s, block)  # recv is this rank's block of send
+    rs_expected = sum(np.arange(n * comm.size, dtype=np.float32) * (r + 1)
+                      for r in range(comm.size))[comm.rank * n:(comm.rank + 1) * n]
+    return (bool(np.array_equal(x, expected)), bool(np.array_equal(g, np.repeat(np.arange(1, comm.size + 1), n))),
+            bool(np.array_equal(block, rs_expected)))
+
+
+def test_in_place_forms_of_all_reduce_all_gather_and_reduce_scatter(pools):
+    assert pools("2").run(in_place_forms) == [(True, True, True)] * 2
 
 
 def random_shape_all_reduce(comm, shape, name):
