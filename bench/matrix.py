@@ -732,16 +732,21 @@ def analyse_series(raw: str, name: str) -> dict | None:
 
 def lockstep_ops(base: str) -> list[dict]:
     """Both ranks' operations of a series, paired by index (the ranks run them in lockstep): start
-    (wall), time (the slower rank), the share of all bytes on 'up' (both ranks), and the policy."""
+    (wall), time (the slower rank), the share on 'up' of all bytes (both ranks) and of each rank's
+    own, and the policy."""
     per_rank = [load(f"{base}.ops.rank{k}.json")["ops"] for k in (0, 1) if os.path.exists(f"{base}.ops.rank{k}.json")]
     if len(per_rank) < 2:
         return []
+
+    def share(planes: list[dict]):
+        total = sum(sum(p.values()) for p in planes)
+        return sum(p.get("up", 0) for p in planes) / total if total else None
+
     rows = []
     for pair in zip(*per_rank):
         planes = [o.get("bytes_per_plane") or {} for o in pair]
-        total = sum(sum(p.values()) for p in planes)
         rows.append({"t": min(o["t"] for o in pair), "dt": max(o["dt"] for o in pair),
-                     "share_up": sum(p.get("up", 0) for p in planes) / total if total else None,
+                     "share_up": share(planes), "rank_share_up": [share([p]) for p in planes],
                      "policy": pair[0].get("policy")})
     return rows
 
@@ -799,18 +804,15 @@ def converge_to_sweep(raw: str, name: str, sweep: dict | None) -> dict:
     if not sweep or not os.path.exists(f"{base}.run.json"):
         return {}
     rows, changes = lockstep_ops(base), change_points(load(f"{base}.run.json"))
-    per_rank = [load(f"{base}.ops.rank{k}.json")["ops"] for k in (0, 1)]
     out = {}
     for label in ("background on", "background off"):
         ref = sweep["segments"].get(label) or {}
         seg = segment_rows(rows, changes, label)
         if not ref or not seg:
             continue
-        first = rows.index(seg[0])
         shares = {"all": [r["share_up"] for r in seg]}
-        for k, ops in enumerate(per_rank):
-            shares[f"rank {k}"] = [o["bytes_per_plane"]["up"] / sum(o["bytes_per_plane"].values())
-                                   for o in ops[first:first + len(seg)]]
+        for k in (0, 1):
+            shares[f"rank {k}"] = [r["rank_share_up"][k] for r in seg]
         settled = [r["dt"] for r in segment_rows(rows, changes, label, SETTLE_S)]
         op_ms = float(np.median(settled)) * 1e3 if settled else None
         out[label] = {"best_fixed": ref["best"], "best_fixed_ms": ref["best_ms"], "ops": len(seg),

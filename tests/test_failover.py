@@ -15,9 +15,13 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
+from mpccs import wire
+from mpccs.errors import TransportError
+from mpccs.health import PlaneHealth
 from mpccs.testbed import Cluster, TestbedUnavailable, check_available
 
 BIN = os.path.dirname(sys.executable)
@@ -149,17 +153,11 @@ class _PlaneWithOnePing:
     """A plane holding one PING from rank 1; reconnecting to rank 1 fails or works."""
 
     def __init__(self, comm_id, connect_error):
-        from types import SimpleNamespace
-
-        from mpccs import wire
-
         self.queue = [SimpleNamespace(sender_tag=SimpleNamespace(
             value=wire.make_tag(wire.KIND_CTRL, comm_id, 7, 1, wire.CTRL_PING)))]
         self.connect_error, self.sent = connect_error, []
 
     def probe(self, tag, mask):
-        from mpccs import wire
-
         kind = wire.split_tag(tag)[4]
         hits = [p for p in self.queue if wire.split_tag(p.sender_tag.value)[4] == kind]
         return hits[0] if hits else None
@@ -169,15 +167,9 @@ class _PlaneWithOnePing:
 
     def reconnect(self, peer):
         if self.connect_error:
-            from mpccs.errors import TransportError
-
             raise TransportError("cannot connect: Destination is unreachable", rank=0, plane="out", peer=peer)
 
     def send(self, peer, buf, tag):
-        from types import SimpleNamespace
-
-        from mpccs import wire
-
         self.sent.append((peer, wire.split_tag(tag)[4]))
         return SimpleNamespace(completed=True)
 
@@ -187,9 +179,6 @@ def test_a_ping_from_a_rejoining_peer_that_cannot_be_reached_yet_goes_unanswered
     """Right after a link returns, connecting back may find no route yet: the
     ping stays unanswered (the peer's probe rests and tries again) instead of
     failing whatever operation this rank is driving (seen on the testbed)."""
-    from mpccs import wire
-    from mpccs.health import PlaneHealth
-
     plane = _PlaneWithOnePing(comm_id=3, connect_error=connect_error)
     health = PlaneHealth(rank=0, comm_id=3, planes={"out": plane}, timeout_s=1.0, reprobe_s=1.0)
     health.serve()
