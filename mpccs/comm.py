@@ -17,7 +17,7 @@ from . import algorithms, fingerprint
 from .algorithms import Topology, resumable_in_place
 from .bootstrap import Bootstrap, hostname, rendezvous
 from .config import DEFAULT_UP_TLS_CPU, Options, load_options, parse_policy
-from .engine import DIRECT_MAX_BYTES, CollectiveOp, DirectAllReduceOp, Engine, Operation, RecvOp, SendOp, Splitter
+from .engine import DIRECT_MAX_BYTES, DIRECT_MEDIUM_BUDGET, CollectiveOp, DirectAllReduceOp, Engine, Operation, RecvOp, SendOp, Splitter
 from .errors import CommunicatorAborted, ConfigError, MismatchError, MpccsError, TransportError
 from .reduce import finish_avg
 from .telemetry import Telemetry
@@ -541,9 +541,23 @@ class Communicator:
 
     def _direct(self, nbytes: int, algorithm) -> bool:
         """Small all_reduce and barrier take one message per peer (engine.DirectAllReduceOp)
-        unless an algorithm is asked for, by argument or MPCCS_TUNE."""
-        return (algorithm is None and 1 < self.size <= DIRECT_MAX_RANKS and nbytes <= DIRECT_MAX_BYTES
-                and self._tune.match("all_reduce", nbytes) is None)
+        unless an algorithm is asked for, by argument or MPCCS_TUNE; so does a
+        medium all_reduce the DAG would run on the control plane alone."""
+        if algorithm is not None or not 1 < self.size <= DIRECT_MAX_RANKS \
+                or self._tune.match("all_reduce", nbytes) is not None:
+            return False
+        return nbytes <= DIRECT_MAX_BYTES or self._direct_medium(nbytes)
+
+    def _direct_medium(self, nbytes: int) -> bool:
+        """Below the size the controller ever splits (min_multipath_bytes), where
+        the DAG would send every byte on the control plane, unprotected (policy
+        'up' or 'adaptive'), in one domain: p - 1 copies of the input per rank,
+        within DIRECT_MEDIUM_BUDGET. The same answer on every rank that set the
+        same path policy (configuration and call only). 'up' and 'adaptive'
+        share the bound so that they run the same way at every size."""
+        return (nbytes * (self.size - 1) <= DIRECT_MEDIUM_BUDGET and len(set(self.domains)) == 1
+                and self._policy in (UP, "adaptive") and not self._multipath_eligible(nbytes, single_plane=False)
+                and not self._protected(nbytes, single_plane=True))
 
     def _run_direct(self, name, send, out, op, result, async_op, finalize=None):
         self._check_usable()

@@ -89,6 +89,9 @@ class Fingerprint:
             a, b = getattr(self, name), getattr(other, name)
             if a != b and not (name == "count" and ANY_COUNT in (a, b)):
                 out.append(f"{name} {a} vs {b}")
+                if name == "algorithm" and "direct" in (a, b) and self.count == other.count:
+                    # same call, different path: the direct path follows the path policy
+                    out[-1] += " (a medium all_reduce goes direct under 'up' and 'adaptive' only: set the same path policy on every rank)"
         if self.protected != other.protected:
             # the DONE round would wait forever on the rank that skips it
             out.append(f"failover protection {'on' if self.protected else 'off'} vs "

@@ -380,26 +380,53 @@ def test_random_shapes_property(pools, shape, name):
     assert pools("2").run(random_shape_all_reduce, tuple(shape), name) == [None, None]
 
 
-def direct_small_all_reduce(comm):
-    # float32 values whose sum depends on the order of additions: rank order 0..p-1 on every rank
-    x = np.array([1e8, 1.0, -1e8, 3.5][: 4], np.float32) * (comm.rank + 1) + np.float32(comm.rank) / 3
-    out = comm.all_reduce(x, np.empty_like(x))
-    stats = comm.last_stats()
-    parts = [np.array([1e8, 1.0, -1e8, 3.5], np.float32) * (r + 1) + np.float32(r) / 3 for r in range(comm.size)]
-    expected = parts[0].copy()
-    for p in parts[1:]:
-        expected += p
-    big = comm.all_reduce(np.ones(DIRECT_LIMIT // 4 + 1, np.float32))  # just over: the DAG path
-    return out.tobytes(), expected.tobytes(), stats["algorithm"], comm.last_stats()["algorithm"], float(big[0])
+def _order_sensitive(rank: int, n: int) -> np.ndarray:
+    """float32 values whose sum depends on the order of additions."""
+    return np.resize(np.array([1e8, 1.0, -1e8, 3.5], np.float32), n) * (rank + 1) + np.float32(rank) / 3
 
 
-DIRECT_LIMIT = 4096
+def _rank_order_sum(size: int, n: int) -> np.ndarray:
+    expected = _order_sensitive(0, n)
+    for r in range(1, size):
+        expected += _order_sensitive(r, n)
+    return expected
 
 
-def test_small_all_reduce_takes_the_direct_path_in_rank_order(pools):
-    results = pools("3").run(direct_small_all_reduce)
-    assert len({r[0] for r in results}) == 1  # bit-identical on every rank
-    for out, expected, small_alg, big_alg, big in results:
-        assert out == expected  # reduced in rank order 0, 1, 2
-        assert small_alg == "direct" and big_alg != "direct"
-        assert big == 3.0
+def direct_all_reduce_paths(comm):
+    """Which path each size takes, and the results: small (inline payload),
+    medium (payload as its own message, out of place and in place) and just
+    over the medium bound, under 'adaptive' and 'up'; medium under a fixed split."""
+    medium_n = (64 << 10) // 4 + 3
+    out = {}
+    policy = comm.path_policy
+    try:
+        for name in ("adaptive", "up"):
+            comm.set_path_policy(name)
+            small = comm.all_reduce(_order_sensitive(comm.rank, 4), np.empty(4, np.float32))
+            out[name, "small"] = (small.tobytes(), comm.last_stats()["algorithm"])
+            medium = comm.all_reduce(_order_sensitive(comm.rank, medium_n), np.empty(medium_n, np.float32))
+            out[name, "medium"] = (medium.tobytes(), comm.last_stats()["algorithm"])
+            in_place = _order_sensitive(comm.rank, medium_n)
+            comm.all_reduce(in_place)  # rank 2 reduces third: it needs a copy of its input
+            out[name, "medium_in_place"] = (in_place.tobytes(), comm.last_stats()["algorithm"])
+            big = comm.all_reduce(np.ones((1 << 20) // 4, np.float32))  # min_multipath_bytes: the DAG path
+            out[name, "big"] = (float(big[0]), comm.last_stats()["algorithm"])
+        comm.set_path_policy(0.8)
+        comm.all_reduce(np.ones(medium_n, np.float32))
+        out["fixed", "medium"] = comm.last_stats()["algorithm"]
+    finally:
+        comm.set_path_policy(policy)
+    return out
+
+
+def test_all_reduce_direct_paths_reduce_in_rank_order(pools):
+    results = pools("3").run(direct_all_reduce_paths)
+    small_expected = _rank_order_sum(3, 4).tobytes()
+    medium_expected = _rank_order_sum(3, (64 << 10) // 4 + 3).tobytes()
+    for r in results:
+        for policy in ("adaptive", "up"):
+            assert r[policy, "small"] == (small_expected, "direct")  # bit-identical everywhere: rank order 0, 1, 2
+            assert r[policy, "medium"] == (medium_expected, "direct")
+            assert r[policy, "medium_in_place"] == (medium_expected, "direct")
+            assert r[policy, "big"][0] == 3.0 and r[policy, "big"][1] != "direct"
+        assert r["fixed", "medium"] != "direct"  # a split policy keeps the DAG (both planes)

@@ -23,6 +23,13 @@ def mismatched(comm, kind):
         elif kind == "policy":  # one rank protected (0.5 puts bytes on 'out'), one not ('up')
             comm.set_path_policy("up" if r == 0 else 0.5)
             comm.all_reduce(np.ones(1 << 19, np.float32))
+        elif kind == "medium_size":  # both on the direct path, payloads in their own messages
+            comm.all_reduce(np.ones((16 << 10) * (1 + r), np.float32))
+        elif kind == "medium_vs_dag":  # 64 KiB direct against 2 MiB on the DAG
+            comm.all_reduce(np.ones((16 << 10) if r == 0 else (1 << 19), np.float32))
+        elif kind == "medium_policy":  # 'up' goes direct at 64 KiB, a fixed split does not
+            comm.set_path_policy("up" if r == 0 else 0.5)
+            comm.all_reduce(np.ones(16 << 10, np.float32))
         elif kind == "collective":
             if r == 0:
                 comm.all_reduce(x)
@@ -38,7 +45,8 @@ def mismatched(comm, kind):
     return None
 
 
-@pytest.mark.parametrize("kind", ["size", "dtype", "op", "root", "collective", "policy"])
+@pytest.mark.parametrize("kind", ["size", "dtype", "op", "root", "collective", "policy", "medium_size",
+                                  "medium_vs_dag", "medium_policy"])
 def test_mismatched_calls_raise_on_every_rank(kind):
     pool = RankPool(2, env={"MPCCS_TIMEOUT": "20"})
     try:
@@ -54,6 +62,9 @@ def test_mismatched_calls_raise_on_every_rank(kind):
         assert after == "aborted"
         if kind == "policy":  # a DONE round one rank skips used to wait out the no-progress timeout
             assert "failover protection" in message, message
+        if kind.startswith("medium"):  # the fingerprint, looked at before the payload: never a truncated receive
+            assert name == "MismatchError", message
+            assert ("same path policy" if kind == "medium_policy" else "count") in message, message
     assert elapsed < 15, f"mismatch took {elapsed:.1f} s to surface (a timeout, not detection)"
 
 

@@ -1,0 +1,112 @@
+"""The direct all_reduce path against the DAG engine at small and medium sizes.
+
+    mpccs-run -n 2 --no-prefix python bench/direct_ab.py --out bench/results/direct_medium
+    mpccs-run -n 3 --no-prefix python bench/direct_ab.py --out bench/results/direct_medium
+
+Float32 all_reduce under the path policy 'up' (what 'adaptive' does below
+min_multipath_bytes) on the default planes. Each iteration times a block of
+back-to-back operations three ways, interleaved: the direct path (no algorithm
+asked: what a user gets), the DAG with the algorithm the tuner picks for that
+size (what a user got before medium sizes went direct), and the DAG again (the
+A/A noise floor). Per-op time = block time / block length, max across ranks.
+Writes direct_<p>ranks.json and appends a section to report.md under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+import mpccs
+
+sys.path.insert(0, os.path.dirname(__file__))
+from stats import noise_floor, ratio_ci  # noqa: E402
+
+SIZES = (8 << 10, 32 << 10, 128 << 10, 512 << 10, 768 << 10)
+MODES = ("direct", "dag", "dag_again")
+
+
+def time_block(comm, x, algorithm, block: int) -> float:
+    comm.barrier()
+    t0 = time.perf_counter()
+    for _ in range(block):
+        comm.all_reduce(x, algorithm=algorithm)
+    return (time.perf_counter() - t0) / block
+
+
+def measure(comm, nbytes: int, iters: int, block: int, warmup: int) -> dict:
+    x = np.ones(nbytes // 4, np.float32)
+    dag_algorithm = comm._choose("all_reduce", nbytes).algorithm  # the tuner's pick: the DAG path as before
+    algorithms = {"direct": None, "dag": dag_algorithm, "dag_again": dag_algorithm}
+    times = {mode: [] for mode in MODES}
+    for i in range(warmup + iters):
+        for mode in MODES:
+            t = time_block(comm, x, algorithms[mode], block)
+            if i >= warmup:
+                times[mode].append(t)
+    path = {mode: None for mode in MODES}
+    for mode in MODES:
+        comm.all_reduce(x, algorithm=algorithms[mode])
+        path[mode] = comm.last_stats()["algorithm"]
+    # per-op time of an iteration = the slowest rank's
+    local = np.array([times[m] for m in MODES], np.float64)
+    worst = comm.all_reduce(local, np.empty_like(local), op="max")
+    return {"size": nbytes, "algorithm": path, "times_s": {m: worst[k].tolist() for k, m in enumerate(MODES)}}
+
+
+def summarise(row: dict) -> dict:
+    t = row["times_s"]
+    return {
+        "median_us": {m: 1e6 * float(np.median(t[m])) for m in MODES},
+        "speedup": ratio_ci(t["direct"], t["dag"], paired=True),  # time(dag) / time(direct)
+        "noise_floor": noise_floor(t["dag"], t["dag_again"]),
+    }
+
+
+def report_lines(world: int, rows: list[dict], meta: dict) -> list[str]:
+    lines = [f"## {world} ranks, float32 all_reduce, policy 'up', default planes", "",
+             f"mpccs {meta['mpccs']}, {meta['iters']} interleaved iterations of {meta['block']} operations, "
+             f"{meta['host']}", "",
+             "| size | direct (us) | DAG (us) | DAG algorithm | direct speedup [95% CI] | A/A floor |",
+             "|---:|---:|---:|:--|---:|---:|"]
+    for row in rows:
+        s = summarise(row)
+        point, lo, hi = s["speedup"]
+        lines.append(f"| {row['size'] >> 10} KiB | {s['median_us']['direct']:.0f} | {s['median_us']['dag']:.0f} | "
+                     f"{row['algorithm']['dag']} | {point:.2f} [{lo:.2f}, {hi:.2f}] | {s['noise_floor']:.2f} |")
+    return lines + [""]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--block", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    args = ap.parse_args()
+    comm = mpccs.init()
+    comm.set_path_policy("up")
+    rows = []
+    for k, nbytes in enumerate(SIZES):
+        rows.append(measure(comm, nbytes, args.iters, args.block, args.warmup))
+        if comm.rank == 0:
+            print(f"# progress: {k + 1}/{len(SIZES)} sizes", flush=True)
+    if comm.rank == 0:
+        meta = {"mpccs": mpccs.__version__, "iters": args.iters, "block": args.block, "world": comm.size,
+                "host": f"{os.uname().sysname} {os.uname().release}, {os.cpu_count()} CPUs"}
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"direct_{comm.size}ranks.json"), "w") as fh:
+            json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+        lines = report_lines(comm.size, rows, meta)
+        print("\n".join(lines), flush=True)
+        with open(os.path.join(args.out, "report.md"), "a") as fh:
+            fh.write("\n".join(lines) + "\n")
+    comm.close()
+
+
+if __name__ == "__main__":
+    main()
