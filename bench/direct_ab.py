@@ -26,7 +26,7 @@ import mpccs
 sys.path.insert(0, os.path.dirname(__file__))
 from stats import noise_floor, ratio_ci  # noqa: E402
 
-SIZES = (8 << 10, 32 << 10, 128 << 10, 512 << 10, 768 << 10)
+SIZES = (8 << 10, 32 << 10, 128 << 10, 512 << 10, 1 << 20, 3 << 19)  # the larger ones go direct on 2 ranks only
 MODES = ("direct", "dag", "dag_again")
 
 
@@ -92,6 +92,9 @@ def main() -> None:
     comm.set_path_policy("up")
     rows = []
     for k, nbytes in enumerate(SIZES):
+        comm.all_reduce(np.ones(nbytes // 4, np.float32))
+        if comm.last_stats()["algorithm"] != "direct":
+            break  # past the direct path's bound for this world
         rows.append(measure(comm, nbytes, args.iters, args.block, args.warmup))
         if comm.rank == 0:
             print(f"# progress: {k + 1}/{len(SIZES)} sizes", flush=True)

@@ -539,25 +539,31 @@ class Communicator:
             carriers = {p for p, share in ((UP, policy), (OUT, 1.0 - policy)) if share > 0}
         return any(self._planes[p].failable for p in carriers)
 
-    def _direct(self, nbytes: int, algorithm) -> bool:
+    def _direct(self, count: int, itemsize: int, algorithm) -> bool:
         """Small all_reduce and barrier take one message per peer (engine.DirectAllReduceOp)
         unless an algorithm is asked for, by argument or MPCCS_TUNE; so does a
         medium all_reduce the DAG would run on the control plane alone."""
+        nbytes = count * itemsize
         if algorithm is not None or not 1 < self.size <= DIRECT_MAX_RANKS \
                 or self._tune.match("all_reduce", nbytes) is not None:
             return False
-        return nbytes <= DIRECT_MAX_BYTES or self._direct_medium(nbytes)
+        return nbytes <= DIRECT_MAX_BYTES or self._direct_medium(count, itemsize)
 
-    def _direct_medium(self, nbytes: int) -> bool:
-        """Below the size the controller ever splits (min_multipath_bytes), where
-        the DAG would send every byte on the control plane, unprotected (policy
-        'up' or 'adaptive'), in one domain: p - 1 copies of the input per rank,
-        within DIRECT_MEDIUM_BUDGET. The same answer on every rank that set the
-        same path policy (configuration and call only). 'up' and 'adaptive'
-        share the bound so that they run the same way at every size."""
-        return (nbytes * (self.size - 1) <= DIRECT_MEDIUM_BUDGET and len(set(self.domains)) == 1
-                and self._policy in (UP, "adaptive") and not self._multipath_eligible(nbytes, single_plane=False)
-                and not self._protected(nbytes, single_plane=True))
+    def _direct_medium(self, count: int, itemsize: int) -> bool:
+        """Where the DAG would send every byte on the control plane, unprotected:
+        policy 'up', or 'adaptive' where no rank sends min_multipath_bytes in any
+        stage of the schedule the tuner picks (the engine splits no smaller
+        stage), in one domain, with p - 1 copies of the input per rank within
+        DIRECT_MEDIUM_BUDGET. The same answer on every rank that set the same
+        path policy (configuration and call only). 'up' follows the same bound
+        as 'adaptive' so that the two run the same way at every size."""
+        nbytes = count * itemsize
+        if (nbytes * (self.size - 1) > DIRECT_MEDIUM_BUDGET or len(set(self.domains)) > 1
+                or self._policy not in (UP, "adaptive") or self._protected(nbytes, single_plane=True)):
+            return False
+        plan = self._schedule("all_reduce", count, nbytes)
+        return (plan.single_plane
+                or plan.schedule.max_stage_send() * itemsize < self._engine.controller.config.min_multipath_bytes)
 
     def _run_direct(self, name, send, out, op, result, async_op, finalize=None):
         self._check_usable()
@@ -596,7 +602,7 @@ class Communicator:
         arrays.check_op(op, s.dtype)
         if recv is not None and arrays.check_separate(s, r):
             r = s  # the same elements passed twice: in place
-        if self._direct(s.nbytes, algorithm):
+        if self._direct(s.size, s.itemsize, algorithm):
             return self._run_direct("all_reduce", s, r, op, send if recv is None else recv, async_op, self._avg(op, r))
         sched = self._schedule("all_reduce", s.size, s.nbytes, algorithm=algorithm)
         return self._run("all_reduce", sched, {"in": s, "out": r}, s.dtype, op,
@@ -722,7 +728,7 @@ class Communicator:
         if self.size == 1:
             return
         token = np.zeros(1, dtype=np.uint8)
-        if self._direct(1, None):
+        if self._direct(1, 1, None):
             self._run_direct("barrier", token, token, "max", None, False)
             return
         sched = self._schedule("all_reduce", 1, 1, algorithm="rd")

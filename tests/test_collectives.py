@@ -409,8 +409,11 @@ def direct_all_reduce_paths(comm):
             in_place = _order_sensitive(comm.rank, medium_n)
             comm.all_reduce(in_place)  # rank 2 reduces third: it needs a copy of its input
             out[name, "medium_in_place"] = (in_place.tobytes(), comm.last_stats()["algorithm"])
-            big = comm.all_reduce(np.ones((1 << 20) // 4, np.float32))  # min_multipath_bytes: the DAG path
-            out[name, "big"] = (float(big[0]), comm.last_stats()["algorithm"])
+            largest, over = DIRECT_BOUND[comm.size]
+            below = comm.all_reduce(np.ones(largest // 4, np.float32))
+            out[name, "largest"] = (float(below[0]), comm.last_stats()["algorithm"])
+            above = comm.all_reduce(np.ones(over // 4, np.float32))
+            out[name, "above"] = (float(above[0]), comm.last_stats()["algorithm"])
         comm.set_path_policy(0.8)
         comm.all_reduce(np.ones(medium_n, np.float32))
         out["fixed", "medium"] = comm.last_stats()["algorithm"]
@@ -419,14 +422,24 @@ def direct_all_reduce_paths(comm):
     return out
 
 
-def test_all_reduce_direct_paths_reduce_in_rank_order(pools):
-    results = pools("3").run(direct_all_reduce_paths)
-    small_expected = _rank_order_sum(3, 4).tobytes()
-    medium_expected = _rank_order_sum(3, (64 << 10) // 4 + 3).tobytes()
+# (largest float32 all_reduce on the direct path, smallest above it). 2 ranks:
+# from 2 MiB the tuner's priors plan both planes and the ring sends 1 MiB per
+# stage, which the engine may split (min_multipath_bytes); 3 ranks: two copies
+# of 1 MiB per rank fill DIRECT_MEDIUM_BUDGET (2 MiB).
+DIRECT_BOUND = {2: ((2 << 20) - 4, 2 << 20), 3: (1 << 20, (1 << 20) + 4)}
+
+
+@pytest.mark.parametrize("world", ["2", "3"])
+def test_all_reduce_direct_paths_reduce_in_rank_order(pools, world):
+    results = pools(world).run(direct_all_reduce_paths)
+    p = int(world)
+    small_expected = _rank_order_sum(p, 4).tobytes()
+    medium_expected = _rank_order_sum(p, (64 << 10) // 4 + 3).tobytes()
     for r in results:
         for policy in ("adaptive", "up"):
-            assert r[policy, "small"] == (small_expected, "direct")  # bit-identical everywhere: rank order 0, 1, 2
+            assert r[policy, "small"] == (small_expected, "direct")  # bit-identical everywhere: rank order 0..p-1
             assert r[policy, "medium"] == (medium_expected, "direct")
             assert r[policy, "medium_in_place"] == (medium_expected, "direct")
-            assert r[policy, "big"][0] == 3.0 and r[policy, "big"][1] != "direct"
+            assert r[policy, "largest"] == (float(p), "direct")
+            assert r[policy, "above"][0] == float(p) and r[policy, "above"][1] != "direct"
         assert r["fixed", "medium"] != "direct"  # a split policy keeps the DAG (both planes)

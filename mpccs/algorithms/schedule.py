@@ -134,3 +134,16 @@ class Schedule:
     def stages_of(self, rank: int) -> list[Stage]:
         """Stages in which ``rank`` sends or receives (or all, for deps)."""
         return [s for s in self.stages if any(f.src == rank or f.dst == rank for f in s.flows)]
+
+    def max_stage_send(self) -> int:
+        """Most elements one rank sends in one stage: below min_multipath_bytes
+        the engine never splits any stage of this schedule (Splitter.plan).
+        Cached in meta: the direct-path rule asks on every medium all_reduce."""
+        known = self.meta.get("max_stage_send")
+        if known is None:
+            sums: dict = {}
+            for stage in self.stages:
+                for f in stage.flows:
+                    sums[stage.id, f.src] = sums.get((stage.id, f.src), 0) + f.count
+            known = self.meta["max_stage_send"] = max(sums.values(), default=0)
+        return known
