@@ -1263,8 +1263,9 @@ class DirectAllReduceOp(Operation):
         self._sends, self._recvs, self._got = [], [], {}
         self._data_recvs = {}
         tag = wire.make_tag(wire.KIND_CTRL, engine.comm_id, self.wire_seq, 0, wire.CTRL_FINGERPRINT)
-        data_tag = wire.make_tag(wire.KIND_CTRL, engine.comm_id, self.wire_seq, 0, wire.CTRL_DIRECT_DATA)
-        data = send.reshape(-1).view(np.uint8) if medium else None
+        if medium:
+            data_tag = wire.make_tag(wire.KIND_CTRL, engine.comm_id, self.wire_seq, 0, wire.CTRL_DIRECT_DATA)
+            data = send.view(np.uint8)
         for row, peer in enumerate(self.others):
             plane = engine.control_plane(peer)
             self._sends.append(plane.send(peer, buffers.payload, tag | wire.mid_bits(me), buffers.payload_desc))
@@ -1329,11 +1330,10 @@ class DirectAllReduceOp(Operation):
 
     def _reduce(self) -> None:
         parts = dict(self._got)
-        parts[self.engine.rank] = self.mine.reshape(-1)
-        out = self.out.reshape(-1)
-        reduce_to(out, parts[0], parts[1], self.op)  # no copy of parts[0] first: same order, one pass
+        parts[self.engine.rank] = self.mine  # 1-D, like the received parts (arrays.check_array)
+        reduce_to(self.out, parts[0], parts[1], self.op)  # no copy of parts[0] first: same order, one pass
         for r in range(2, len(parts)):
-            reduce_into(out, parts[r], self.op)
+            reduce_into(self.out, parts[r], self.op)
 
     def describe_stall(self) -> dict:
         waiting = sorted({peer for _, peer, _, _, _ in self._recvs})
