@@ -17,7 +17,8 @@ from . import algorithms, fingerprint
 from .algorithms import Topology, resumable_in_place
 from .bootstrap import Bootstrap, hostname, rendezvous
 from .config import DEFAULT_UP_TLS_CPU, Options, load_options, parse_policy
-from .engine import DIRECT_MAX_BYTES, DIRECT_MEDIUM_BUDGET, CollectiveOp, DirectAllReduceOp, Engine, Operation, RecvOp, SendOp, Splitter
+from .engine import (DIRECT_MAX_BYTES, DIRECT_MEDIUM_BUDGET, CollectiveOp, DirectAllReduceOp, Engine, Operation,
+                     RecvOp, SendOp, Splitter)
 from .errors import CommunicatorAborted, ConfigError, MismatchError, MpccsError, TransportError
 from .reduce import finish_avg
 from .telemetry import Telemetry

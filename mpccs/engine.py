@@ -1209,8 +1209,9 @@ class CollectiveOp(Operation):
 DIRECT_MAX_BYTES = 4096  # all_reduce (and barrier) at most this large take the direct path, payload inline
 # A medium all_reduce takes the direct path too where the DAG would run it on
 # the control plane alone (comm._direct): at most this many bytes sent per
-# rank, (p - 1) x the input. 2 ranks, default planes: 3-5x faster than the DAG
-# at 32-128 KiB, ~2x at 512 KiB-1 MiB; the DAG's ring wins from 4 MiB.
+# rank, (p - 1) x the input. 2 ranks, default planes: 2.4-2.8x faster than the
+# DAG at 8-32 KiB, 1.5-1.9x at 128 KiB-1.5 MiB (bench/direct_ab.py); at 4 MiB
+# the ring, which moves half the bytes, won.
 DIRECT_MEDIUM_BUDGET = 2 << 20
 DIRECT_POOL_PER_SIZE = 4  # reusable DirectBuffers kept per size (operations in flight at once)
 DIRECT_POOL_SIZES = 32  # sizes kept
