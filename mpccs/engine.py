@@ -60,6 +60,7 @@ MAX_WINDOW_BYTES = 8 << 20  # more in flight only pushes chunks out of cache bef
 IDLE_SPINS_BEFORE_SLEEP = 256  # then block on the planes' event fds ...
 IDLE_SLEEP_S = 0.001  # ... for at most this long (bounds the cost of a missed wake-up)
 ABORT_POLL_AFTER_S = 0.005  # look for peers' aborts only once an operation stalls this long
+ABORT_FLUSH_S = 0.5  # how long a rank that aborts keeps progressing to get its abort messages out
 CONTROL_POLL_S = 0.002  # progress() looks for failover notices and pings this often
 LIVENESS_AFTER_S = 0.5  # and for peers whose process is gone once it stalls this long
 
@@ -1739,7 +1740,14 @@ class Engine:
 
     # -- aborts: one rank's failure reaches every rank of the operation ----
     def broadcast_abort(self, peers, seq: int, reason: str) -> None:
-        """Tell peers that operation #seq failed here, with the reason (best effort)."""
+        """Tell peers that operation #seq failed here, with the reason (best effort).
+
+        The messages are progressed out before this returns (at most
+        ABORT_FLUSH_S): a send UCX could not post at once (a full shared-memory
+        FIFO) leaves only when this rank's worker progresses again, and an
+        aborted rank may never drive an operation again, leaving its peer
+        blocked until its own no-progress timeout (seen once in CI: a
+        point-to-point receiver waited 30 s for an abort its sender had posted)."""
         payload = np.frombuffer(reason.encode()[:ABORT_REASON_MAX], dtype=np.uint8).copy()
         tag = wire.make_tag(wire.KIND_CTRL, self.comm_id, seq, self.rank, wire.CTRL_ABORT)
         for peer in peers:
@@ -1749,6 +1757,14 @@ class Engine:
                 self._abort_sends.append((self.control_plane(peer).send(peer, payload, tag), payload))
             except (TransportError, Exception):  # a dead plane cannot carry it; the peer's watchdog will
                 pass
+        self._flush_abort_sends(time.perf_counter() + ABORT_FLUSH_S)
+
+    def _flush_abort_sends(self, deadline: float) -> None:
+        pending = [item for item in self._abort_sends if not item[0].completed]
+        while pending and time.perf_counter() < deadline:
+            self.progress_planes()
+            pending = [item for item in pending if not item[0].completed]
+        self._abort_sends = pending  # kept alive until UCX lets go
 
     def poll_aborts(self) -> Optional[MpccsError]:
         """An abort a peer sent for any operation of this communicator, as an error."""

@@ -184,3 +184,40 @@ def test_a_ping_from_a_rejoining_peer_that_cannot_be_reached_yet_goes_unanswered
     health.serve()
     assert plane.queue == []  # the ping was consumed either way
     assert plane.sent == ([] if connect_error else [(1, wire.CTRL_PONG)])
+
+
+class _PlaneThatQueuesSends:
+    """A plane whose sends complete only after a few progress calls (UCX's
+    pending queue when a shared-memory FIFO is full)."""
+
+    name = "up"
+
+    def __init__(self, progress_needed: int):
+        self.progress_needed, self.progress_calls, self.requests = progress_needed, 0, []
+
+    def reaches(self, peer):
+        return True
+
+    def send(self, peer, buf, tag):
+        request = SimpleNamespace(completed=False, due=self.progress_calls + self.progress_needed)
+        self.requests.append(request)
+        return request
+
+    def progress(self):
+        self.progress_calls += 1
+        for request in self.requests:
+            request.completed = request.completed or self.progress_calls >= request.due
+
+
+def test_an_abort_leaves_before_broadcast_abort_returns():
+    """A rank that aborts may never progress its worker again: its abort
+    messages are progressed out before broadcast_abort returns, so the peer
+    hears of it instead of waiting out its no-progress timeout (CI, once)."""
+    from mpccs.engine import Engine
+
+    plane = _PlaneThatQueuesSends(progress_needed=3)
+    engine = Engine(rank=0, comm_id=5, planes={"up": plane})
+    engine.broadcast_abort([0, 1, 2], seq=9, reason="recv #9 failed on rank 0")
+    assert len(plane.requests) == 2  # not to itself
+    assert all(r.completed for r in plane.requests)
+    assert plane.progress_calls >= 3
