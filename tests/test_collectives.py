@@ -268,6 +268,33 @@ def test_several_async_operations_complete_in_any_order(pools):
     assert pools("3").run(async_in_flight) == [True, True, True]
 
 
+def async_collectives_in_order(comm):
+    """Async collectives on the DAG engine run one at a time, in call order:
+    each one's first stage starts only after the one before finished (the
+    controller measures each alone), and waiting on the last drives the others."""
+    comm.set_path_policy(0.5)
+    n = comm.size
+    xs = [np.full(200_000, comm.rank + i, np.float32) for i in range(3)]
+    works = [comm.all_reduce(x, async_op=True, algorithm="ring") for x in xs]
+    sends = [comm.all_gather(x[:1000], np.empty(1000 * n, np.float32), async_op=True) for x in xs[:1]]
+    (works + sends)[-1].wait()  # the last one: the three all_reduces must finish first
+    finished = [w.is_completed() for w in works]
+    for w in works:
+        w.wait()
+    stats = [w.stats() for w in works + sends]
+    spans = [(s["t_start_wall"], min(st["t_start_wall"] for st in s["stages"]),
+              max(st["t_start_wall"] + st["duration_s"] for st in s["stages"])) for s in stats]
+    ordered = all(spans[k + 1][1] >= spans[k][2] - 1e-4 for k in range(len(spans) - 1))
+    correct = all((x == sum(r + i for r in range(n))).all() for i, x in enumerate(xs))
+    return finished, ordered, correct
+
+
+def test_async_collectives_run_one_at_a_time_in_call_order(pools):
+    for finished, ordered, correct in pools("2").run(async_collectives_in_order):
+        assert finished == [True, True, True]
+        assert ordered and correct
+
+
 def small_async_same_size(comm):
     # Same-size direct all_reduces share a buffer pool: in flight at once each
     # needs its own buffers, and reused ones must not leak the last call's data.
