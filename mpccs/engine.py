@@ -1810,11 +1810,27 @@ class Engine:
 
     def submit(self, op: Operation) -> Operation:
         self.active.append(op)
+        if isinstance(op, CollectiveOp):
+            op.on_finish.append(self._fail_collectives_behind)
         if self._collective_ahead(op) is None:
             op.advance()
             if op.finished:
                 self.active.remove(op)
         return op
+
+    def _fail_collectives_behind(self, failed: Operation) -> None:
+        """A collective that fails leaves its peers mid-schedule (or aborted):
+        the collectives queued behind it could only stall, so they fail now,
+        naming it (their peers learn of it from the first failure's abort)."""
+        if failed.error is None or failed not in self.active:
+            return
+        behind = self.active[self.active.index(failed) + 1:]
+        for op in behind:
+            if isinstance(op, CollectiveOp) and not op.finished:
+                err = TransportError(f"{op.name} #{op.seq} did not start: {failed.name} #{failed.seq}, called "
+                                     f"before it, failed: {failed.error}", rank=self.rank, op=op.name)
+                err.peers_told = getattr(failed.error, "peers_told", False)
+                op._fail(err)
 
     def _collective_ahead(self, op: Operation) -> Optional["CollectiveOp"]:
         """The oldest unfinished collective submitted before ``op`` (a collective), or None.

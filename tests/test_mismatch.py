@@ -86,3 +86,33 @@ def test_no_progress_timeout_names_operation_stage_and_peer():
         pool.kill()
     assert "all_reduce" in message and "no progress for 1 s" in message
     assert "peer=[1]" in message and "stage=" in message
+
+
+def queued_behind_a_mismatch(comm):
+    """Two async collectives; the first is mismatched. Waiting on the second
+    (queued behind the first) must fail at once, naming the first."""
+    r = comm.rank
+    first = comm.all_reduce(np.ones(100_000 + r, np.float32), async_op=True, algorithm="ring")
+    second = comm.all_reduce(np.ones(100_000, np.float32), async_op=True, algorithm="ring")
+    try:
+        second.wait()
+        return None
+    except mpccs.MpccsError as exc:
+        return type(exc).__name__, str(exc), type(first.exception()).__name__
+
+
+def test_a_collective_queued_behind_a_failed_one_fails_naming_it():
+    pool = RankPool(2, env={"MPCCS_TIMEOUT": "20"})
+    try:
+        start = time.monotonic()
+        results = pool.run(queued_behind_a_mismatch, timeout=60)
+        elapsed = time.monotonic() - start
+    finally:
+        pool.close()
+    for rank, result in enumerate(results):
+        assert result is not None, f"rank {rank} completed the collective queued behind a mismatch"
+        name, message, first = result
+        assert first == "MismatchError", result
+        assert "did not start" in message and "all_reduce #" in message, message
+        assert "count 100000 vs 100001" in message or "count 100001 vs 100000" in message, message
+    assert elapsed < 15, f"took {elapsed:.1f} s: a timeout, not the first failure"
