@@ -1,15 +1,17 @@
-"""The direct all_reduce path against the DAG engine at small and medium sizes.
+"""The direct path against the DAG engine at small and medium sizes.
 
     mpccs-run -n 2 --no-prefix python bench/direct_ab.py --out bench/results/direct_medium
     mpccs-run -n 3 --no-prefix python bench/direct_ab.py --out bench/results/direct_medium
+    mpccs-run -n 2 --no-prefix python bench/direct_ab.py --collective all_gather --out ...
 
-Float32 all_reduce under the path policy 'up' (what 'adaptive' does below
-min_multipath_bytes) on the default planes. Each iteration times a block of
+Float32 all_reduce (or all_gather, sizes = each rank's block) under the path
+policy 'up' (what 'adaptive' does where no stage is large enough to split) on
+the default planes. Each iteration times a block of
 back-to-back operations three ways, interleaved: the direct path (no algorithm
 asked: what a user gets), the DAG with the algorithm the tuner picks for that
 size (what a user got before medium sizes went direct), and the DAG again (the
 A/A noise floor). Per-op time = block time / block length, max across ranks.
-Writes direct_<p>ranks.json and appends a section to report.md under --out.
+Writes <collective>_<p>ranks.json and appends a section to report.md under --out.
 """
 from __future__ import annotations
 
@@ -30,27 +32,36 @@ SIZES = (8 << 10, 32 << 10, 128 << 10, 512 << 10, 1 << 20, 3 << 19)  # the large
 MODES = ("direct", "dag", "dag_again")
 
 
-def time_block(comm, x, algorithm, block: int) -> float:
+def one_call(comm, collective: str, x, out, algorithm) -> None:
+    if collective == "all_gather":
+        comm.all_gather(x, out, algorithm=algorithm)
+    else:
+        comm.all_reduce(x, algorithm=algorithm)
+
+
+def time_block(comm, collective, x, out, algorithm, block: int) -> float:
     comm.barrier()
     t0 = time.perf_counter()
     for _ in range(block):
-        comm.all_reduce(x, algorithm=algorithm)
+        one_call(comm, collective, x, out, algorithm)
     return (time.perf_counter() - t0) / block
 
 
-def measure(comm, nbytes: int, iters: int, block: int, warmup: int) -> dict:
+def measure(comm, collective: str, nbytes: int, iters: int, block: int, warmup: int) -> dict:
     x = np.ones(nbytes // 4, np.float32)
-    dag_algorithm = comm._choose("all_reduce", nbytes).algorithm  # the tuner's pick: the DAG path as before
+    out = np.empty(x.size * comm.size, np.float32)
+    call_bytes = nbytes * (comm.size if collective == "all_gather" else 1)
+    dag_algorithm = comm._choose(collective, call_bytes).algorithm  # the tuner's pick: the DAG path as before
     algorithms = {"direct": None, "dag": dag_algorithm, "dag_again": dag_algorithm}
     times = {mode: [] for mode in MODES}
     for i in range(warmup + iters):
         for mode in MODES:
-            t = time_block(comm, x, algorithms[mode], block)
+            t = time_block(comm, collective, x, out, algorithms[mode], block)
             if i >= warmup:
                 times[mode].append(t)
     path = {mode: None for mode in MODES}
     for mode in MODES:
-        comm.all_reduce(x, algorithm=algorithms[mode])
+        one_call(comm, collective, x, out, algorithms[mode])
         path[mode] = comm.last_stats()["algorithm"]
     # per-op time of an iteration = the slowest rank's
     local = np.array([times[m] for m in MODES], np.float64)
@@ -68,7 +79,8 @@ def summarise(row: dict) -> dict:
 
 
 def report_lines(world: int, rows: list[dict], meta: dict) -> list[str]:
-    lines = [f"## {world} ranks, float32 all_reduce, policy 'up', default planes", "",
+    what = "all_gather (size = each rank's block)" if meta["collective"] == "all_gather" else "all_reduce"
+    lines = [f"## {world} ranks, float32 {what}, policy 'up', default planes", "",
              f"mpccs {meta['mpccs']}, {meta['iters']} interleaved iterations of {meta['block']} operations, "
              f"{meta['host']}", "",
              "| size | direct (us) | DAG (us) | DAG algorithm | direct speedup [95% CI] | A/A floor |",
@@ -87,22 +99,25 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--block", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--collective", choices=("all_reduce", "all_gather"), default="all_reduce")
     args = ap.parse_args()
     comm = mpccs.init()
     comm.set_path_policy("up")
     rows = []
     for k, nbytes in enumerate(SIZES):
-        comm.all_reduce(np.ones(nbytes // 4, np.float32))
+        x = np.ones(nbytes // 4, np.float32)
+        one_call(comm, args.collective, x, np.empty(x.size * comm.size, np.float32), None)
         if comm.last_stats()["algorithm"] != "direct":
             break  # past the direct path's bound for this world
-        rows.append(measure(comm, nbytes, args.iters, args.block, args.warmup))
+        rows.append(measure(comm, args.collective, nbytes, args.iters, args.block, args.warmup))
         if comm.rank == 0:
             print(f"# progress: {k + 1}/{len(SIZES)} sizes", flush=True)
     if comm.rank == 0:
-        meta = {"mpccs": mpccs.__version__, "iters": args.iters, "block": args.block, "world": comm.size,
+        meta = {"mpccs": mpccs.__version__, "collective": args.collective, "iters": args.iters, "block": args.block,
+                "world": comm.size,
                 "host": f"{os.uname().sysname} {os.uname().release}, {os.cpu_count()} CPUs"}
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"direct_{comm.size}ranks.json"), "w") as fh:
+        with open(os.path.join(args.out, f"{args.collective}_{comm.size}ranks.json"), "w") as fh:
             json.dump({"meta": meta, "rows": rows}, fh, indent=1)
         lines = report_lines(comm.size, rows, meta)
         print("\n".join(lines), flush=True)

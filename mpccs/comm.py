@@ -17,8 +17,8 @@ from . import algorithms, fingerprint
 from .algorithms import Topology, resumable_in_place
 from .bootstrap import Bootstrap, hostname, rendezvous
 from .config import DEFAULT_UP_TLS_CPU, Options, load_options, parse_policy
-from .engine import (DIRECT_MAX_BYTES, DIRECT_MEDIUM_BUDGET, CollectiveOp, DirectAllReduceOp, Engine, Operation,
-                     RecvOp, SendOp, Splitter)
+from .engine import (DIRECT_MAX_BYTES, DIRECT_MEDIUM_BUDGET, CollectiveOp, DirectAllGatherOp, DirectAllReduceOp,
+                     Engine, Operation, RecvOp, SendOp, Splitter)
 from .errors import CommunicatorAborted, ConfigError, MismatchError, MpccsError, TransportError
 from .reduce import finish_avg
 from .telemetry import Telemetry
@@ -540,29 +540,30 @@ class Communicator:
             carriers = {p for p, share in ((UP, policy), (OUT, 1.0 - policy)) if share > 0}
         return any(self._planes[p].failable for p in carriers)
 
-    def _direct(self, count: int, itemsize: int, algorithm) -> bool:
-        """Small all_reduce and barrier take one message per peer (engine.DirectAllReduceOp)
-        unless an algorithm is asked for, by argument or MPCCS_TUNE; so does a
-        medium all_reduce the DAG would run on the control plane alone."""
-        nbytes = count * itemsize
+    def _direct(self, collective: str, count: int, itemsize: int, algorithm, call_bytes: int) -> bool:
+        """Whether a call takes one message per peer (engine.DirectAllReduceOp,
+        DirectAllGatherOp) instead of the DAG engine: small all_reduce,
+        all_gather and barrier always, unless an algorithm is asked for (by
+        argument or MPCCS_TUNE); medium ones where the DAG would run them on the
+        control plane alone. count x itemsize: the bytes a rank sends each peer;
+        call_bytes: what the tuner sizes the call by."""
         if algorithm is not None or not 1 < self.size <= DIRECT_MAX_RANKS \
-                or self._tune.match("all_reduce", nbytes) is not None:
+                or self._tune.match(collective, call_bytes) is not None:
             return False
-        return nbytes <= DIRECT_MAX_BYTES or self._direct_medium(count, itemsize)
+        return count * itemsize <= DIRECT_MAX_BYTES or self._direct_medium(collective, count, itemsize, call_bytes)
 
-    def _direct_medium(self, count: int, itemsize: int) -> bool:
+    def _direct_medium(self, collective: str, count: int, itemsize: int, call_bytes: int) -> bool:
         """Where the DAG would send every byte on the control plane, unprotected:
         policy 'up', or 'adaptive' where no rank sends min_multipath_bytes in any
         stage of the schedule the tuner picks (the engine splits no smaller
-        stage), in one domain, with p - 1 copies of the input per rank within
-        DIRECT_MEDIUM_BUDGET. The same answer on every rank that set the same
-        path policy (configuration and call only). 'up' follows the same bound
-        as 'adaptive' so that the two run the same way at every size."""
-        nbytes = count * itemsize
-        if (nbytes * (self.size - 1) > DIRECT_MEDIUM_BUDGET or len(set(self.domains)) > 1
-                or self._policy not in (UP, "adaptive") or self._protected(nbytes, single_plane=True)):
+        stage), in one domain, with p - 1 messages of count x itemsize per rank
+        within DIRECT_MEDIUM_BUDGET. The same answer on every rank that set the
+        same path policy (configuration and call only). 'up' follows the same
+        bound as 'adaptive' so that the two run the same way at every size."""
+        if (count * itemsize * (self.size - 1) > DIRECT_MEDIUM_BUDGET or len(set(self.domains)) > 1
+                or self._policy not in (UP, "adaptive") or self._protected(call_bytes, single_plane=True)):
             return False
-        plan = self._schedule("all_reduce", count, nbytes)
+        plan = self._schedule(collective, count, call_bytes)
         return (plan.single_plane
                 or plan.schedule.max_stage_send() * itemsize < self._engine.controller.config.min_multipath_bytes)
 
@@ -574,7 +575,8 @@ class Communicator:
         # Always the control plane (scale-up where it reaches): both ends must
         # agree on the plane without a round trip, and plane state (a plane
         # down, rejoining) may differ between ranks for a moment.
-        dop = DirectAllReduceOp(self._engine, self._next_seq(), send, out, op, self.size, fp, finalize, name)
+        kind = DirectAllGatherOp if name == "all_gather" else DirectAllReduceOp
+        dop = kind(self._engine, self._next_seq(), send, out, op, self.size, fp, finalize, name)
         return self._submit(dop, result, async_op)
 
     def _avg(self, op, buf):
@@ -603,7 +605,7 @@ class Communicator:
         arrays.check_op(op, s.dtype)
         if recv is not None and arrays.check_separate(s, r):
             r = s  # the same elements passed twice: in place
-        if self._direct(s.size, s.itemsize, algorithm):
+        if self._direct("all_reduce", s.size, s.itemsize, algorithm, s.nbytes):
             return self._run_direct("all_reduce", s, r, op, send if recv is None else recv, async_op, self._avg(op, r))
         sched = self._schedule("all_reduce", s.size, s.nbytes, algorithm=algorithm)
         return self._run("all_reduce", sched, {"in": s, "out": r}, s.dtype, op,
@@ -642,6 +644,8 @@ class Communicator:
         arrays.same_dtype(s, r)
         arrays.check_size(r.size, self.size * s.size, "recv (size x send)")
         arrays.check_separate(s, r, block_at=self.rank * s.size)
+        if self._direct("all_gather", s.size, s.itemsize, algorithm, r.nbytes):
+            return self._run_direct("all_gather", s, r, "sum", recv, async_op)
         sched = self._schedule("all_gather", s.size, r.nbytes, algorithm=algorithm)
         return self._run("all_gather", sched, {"in": s, "out": r}, s.dtype, "sum", recv, async_op)
 
@@ -729,7 +733,7 @@ class Communicator:
         if self.size == 1:
             return
         token = np.zeros(1, dtype=np.uint8)
-        if self._direct(1, 1, None):
+        if self._direct("all_reduce", 1, 1, None, 1):
             self._run_direct("barrier", token, token, "max", None, False)
             return
         sched = self._schedule("all_reduce", 1, 1, algorithm="rd")

@@ -1250,11 +1250,7 @@ class DirectAllReduceOp(Operation):
         self.wire_seq = wire.attempt_seq(seq, 0)
         me = engine.rank
         self.others = tuple(r for r in range(world) if r != me)
-        # Ranks 0 and 1 reduce their own input first (out = in0 op in1, element
-        # by element), so only a later rank reducing in place needs a copy of
-        # its input. may_share_memory: bounds only, 5x cheaper than
-        # shares_memory; a false positive costs a copy.
-        self.mine = send.copy() if me >= 2 and np.may_share_memory(send, out) else send
+        self.mine = self._own_input(send, out, me)
         medium = send.nbytes > DIRECT_MAX_BYTES
         inline = 0 if medium else send.nbytes
         cap = FP_BYTES + max(inline, fp_blob_capacity(engine, world))
@@ -1279,6 +1275,14 @@ class DirectAllReduceOp(Operation):
                                                     desc=buffers.data_descs[row])
             self.bytes_per_plane[plane.name] += send.nbytes
 
+    @staticmethod
+    def _own_input(send: np.ndarray, out: np.ndarray, me: int) -> np.ndarray:
+        """What this rank combines of its own: ranks 0 and 1 reduce their input
+        first (out = in0 op in1, element by element), so only a later rank
+        reducing in place needs a copy of it. may_share_memory: bounds only, 5x
+        cheaper than shares_memory; a false positive costs a copy."""
+        return send.copy() if me >= 2 and np.may_share_memory(send, out) else send
+
     def _advance(self) -> bool:
         moved = False
         still = []
@@ -1296,7 +1300,7 @@ class DirectAllReduceOp(Operation):
             return moved
         for req in self._sends:
             req.check_error()
-        self._reduce()
+        self._combine()
         # Every request completed: the buffers go back for the next call (never
         # after a failure, where UCX may still hold them).
         self.engine.give_direct_buffers(self._buffers)
@@ -1330,7 +1334,7 @@ class DirectAllReduceOp(Operation):
                 self.engine.park(req, (self._buffers, self.mine))
         super()._fail(exc)
 
-    def _reduce(self) -> None:
+    def _combine(self) -> None:
         parts = dict(self._got)
         parts[self.engine.rank] = self.mine  # 1-D, like the received parts (arrays.check_array)
         reduce_to(self.out, parts[0], parts[1], self.op)  # no copy of parts[0] first: same order, one pass
@@ -1346,6 +1350,25 @@ class DirectAllReduceOp(Operation):
         out = super().stats()
         out.update(algorithm=self.algorithm, channels=1, policy="direct", stages=[])
         return out
+
+
+class DirectAllGatherOp(DirectAllReduceOp):
+    """An all_gather as one message per peer: the same messages as the direct
+    all_reduce (each rank's block to every other rank, behind its fingerprint),
+    placed instead of reduced. A ring all_gather sends each rank the same
+    (p - 1) blocks, in p - 1 stages of the DAG engine."""
+
+    @staticmethod
+    def _own_input(send: np.ndarray, out: np.ndarray, me: int) -> np.ndarray:
+        return send  # never written: the other blocks of out are
+
+    def _combine(self) -> None:
+        n = self.mine.size
+        for peer, part in self._got.items():
+            self.out[peer * n:(peer + 1) * n] = part
+        own = self.out[self.engine.rank * n:(self.engine.rank + 1) * n]
+        if own.ctypes.data != self.mine.ctypes.data:  # not in place
+            own[...] = self.mine
 
 
 class DirectBuffers:

@@ -268,6 +268,42 @@ def test_several_async_operations_complete_in_any_order(pools):
     assert pools("3").run(async_in_flight) == [True, True, True]
 
 
+def direct_all_gather_paths(comm):
+    """all_gather takes the direct path small and medium (out of place and in
+    place), the DAG from the bound up; results exact either way."""
+    p, me = comm.size, comm.rank
+    out = {}
+    policy = comm.path_policy
+    try:
+        comm.set_path_policy("adaptive")
+        for name, n in (("small", 3), ("medium", 50_001), ("largest", GATHER_BOUND[0] // 4),
+                        ("above", GATHER_BOUND[1] // 4)):
+            expected = np.concatenate([np.arange(n, dtype=np.float32) + 10 * r for r in range(p)])
+            got = comm.all_gather(np.arange(n, dtype=np.float32) + 10 * me, np.empty(n * p, np.float32))
+            out[name] = (bool(np.array_equal(got, expected)), comm.last_stats()["algorithm"])
+            whole = np.zeros(n * p, np.float32)
+            whole[me * n:(me + 1) * n] = np.arange(n) + 10 * me
+            comm.all_gather(whole[me * n:(me + 1) * n], whole)
+            out[name + "_in_place"] = (bool(np.array_equal(whole, expected)), comm.last_stats()["algorithm"])
+    finally:
+        comm.set_path_policy(policy)
+    return out
+
+
+# (largest block on the direct path, smallest above it), 2 and 3 ranks: a ring
+# all_gather sends one block per stage, which the engine may split from
+# min_multipath_bytes (1 MiB).
+GATHER_BOUND = ((1 << 20) - 4, 1 << 20)
+
+
+@pytest.mark.parametrize("world", ["2", "3"])
+def test_all_gather_direct_paths(pools, world):
+    for r in pools(world).run(direct_all_gather_paths):
+        for case in ("small", "medium", "largest"):
+            assert r[case] == (True, "direct") and r[case + "_in_place"] == (True, "direct"), r
+        assert r["above"][0] and r["above"][1] != "direct" and r["above_in_place"][0], r
+
+
 def async_collectives_in_order(comm):
     """Async collectives on the DAG engine run one at a time, in call order:
     each one's first stage starts only after the one before finished (the
@@ -276,7 +312,8 @@ def async_collectives_in_order(comm):
     n = comm.size
     xs = [np.full(200_000, comm.rank + i, np.float32) for i in range(3)]
     works = [comm.all_reduce(x, async_op=True, algorithm="ring") for x in xs]
-    sends = [comm.all_gather(x[:1000], np.empty(1000 * n, np.float32), async_op=True) for x in xs[:1]]
+    sends = [comm.all_gather(x[:1000], np.empty(1000 * n, np.float32), async_op=True, algorithm="ring")
+             for x in xs[:1]]
     (works + sends)[-1].wait()  # the last one: the three all_reduces must finish first
     finished = [w.is_completed() for w in works]
     for w in works:

@@ -80,7 +80,7 @@ def _victim(comm, store, case):
     whole.view(np.uint8)[:] = sentinel
     dest = whole[GUARD : GUARD + n]
     if collective == "all_gather":
-        work = comm.all_gather(x, dest, async_op=True)
+        work = comm.all_gather(x, dest, async_op=True, algorithm="ring")  # the DAG path, as all_reduce below
     elif collective == "all_reduce":
         # An algorithm named: the DAG path, whose chunks these cases forge (1 MiB
         # would otherwise go direct; ring is what the tuner picks at this size).
@@ -146,7 +146,7 @@ def _rogue_messages(comm, case):
         messages.append((plane, wire.make_tag(wire.KIND_P2P, cid, 1, 1, nchunks), payload(ce)))
         return messages, {"flow": 0, "nchunks": nchunks}
 
-    plan = comm._schedule(call, COUNT, nbytes, algorithm="ring" if call == "all_reduce" else None)  # as the victim
+    plan = comm._schedule(call, COUNT, nbytes, algorithm="ring")  # as the victim
     schedule = plan.schedule
     protected = comm._protected(nbytes, plan.single_plane)  # what the victim runs under (fingerprinted)
     fp = fingerprint.make(call, "sum", np.float32, schedule.algorithm, schedule.root, plan.chunk_bytes,

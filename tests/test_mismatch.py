@@ -30,6 +30,9 @@ def mismatched(comm, kind):
         elif kind == "medium_policy":  # 'up' goes direct at 64 KiB, a fixed split does not
             comm.set_path_policy("up" if r == 0 else 0.5)
             comm.all_reduce(np.ones(16 << 10, np.float32))
+        elif kind == "gather_vs_dag":  # a 64 KiB block direct against a 2 MiB one on the DAG
+            n = (16 << 10) if r == 0 else (1 << 19)
+            comm.all_gather(np.ones(n, np.float32), np.empty(2 * n, np.float32))
         elif kind == "collective":
             if r == 0:
                 comm.all_reduce(x)
@@ -46,7 +49,7 @@ def mismatched(comm, kind):
 
 
 @pytest.mark.parametrize("kind", ["size", "dtype", "op", "root", "collective", "policy", "medium_size",
-                                  "medium_vs_dag", "medium_policy"])
+                                  "medium_vs_dag", "medium_policy", "gather_vs_dag"])
 def test_mismatched_calls_raise_on_every_rank(kind):
     pool = RankPool(2, env={"MPCCS_TIMEOUT": "20"})
     try:
@@ -62,7 +65,7 @@ def test_mismatched_calls_raise_on_every_rank(kind):
         assert after == "aborted"
         if kind == "policy":  # a DONE round one rank skips used to wait out the no-progress timeout
             assert "failover protection" in message, message
-        if kind.startswith("medium"):  # the fingerprint, looked at before the payload: never a truncated receive
+        if kind.startswith("medium") or kind == "gather_vs_dag":  # the fingerprint, looked at before the payload: never a truncated receive
             assert name == "MismatchError", message
             assert ("same path policy" if kind == "medium_policy" else "count") in message, message
     assert elapsed < 15, f"mismatch took {elapsed:.1f} s to surface (a timeout, not detection)"
