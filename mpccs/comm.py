@@ -18,7 +18,7 @@ from .algorithms import Topology, resumable_in_place
 from .bootstrap import Bootstrap, hostname, rendezvous
 from .config import DEFAULT_UP_TLS_CPU, Options, load_options, parse_policy
 from .engine import (DIRECT_MAX_BYTES, DIRECT_MEDIUM_BUDGET, CollectiveOp, DirectAllGatherOp, DirectAllReduceOp,
-                     Engine, Operation, RecvOp, SendOp, Splitter)
+                     DirectAllToAllOp, DirectReduceScatterOp, Engine, Operation, RecvOp, SendOp, Splitter)
 from .errors import CommunicatorAborted, ConfigError, MismatchError, MpccsError, TransportError
 from .reduce import finish_avg
 from .telemetry import Telemetry
@@ -30,6 +30,7 @@ DEFAULT_WINDOW_BYTES = {UP: 4 << 20, OUT: 4 << 20}
 DEFAULT_CHUNK_BYTES = 1 << 20
 SINGLE_PLANE_CHUNK_BYTES = 1 << 20  # a sender on one plane only: comm._chunking_for
 DIRECT_MAX_RANKS = 8  # the direct small all_reduce sends p - 1 messages per rank
+DIRECT_OPS = {"all_gather": DirectAllGatherOp, "reduce_scatter": DirectReduceScatterOp, "all_to_all": DirectAllToAllOp}
 # What the tuner assumes a reduction costs (bytes of output per second). A
 # prior, identical on every rank: plans must not depend on local measurements.
 REDUCE_BPS_PRIOR = 5e9
@@ -541,9 +542,9 @@ class Communicator:
         return any(self._planes[p].failable for p in carriers)
 
     def _direct(self, collective: str, count: int, itemsize: int, algorithm, call_bytes: int) -> bool:
-        """Whether a call takes one message per peer (engine.DirectAllReduceOp,
-        DirectAllGatherOp) instead of the DAG engine: small all_reduce,
-        all_gather and barrier always, unless an algorithm is asked for (by
+        """Whether a call takes one message per peer (engine.DirectAllReduceOp and
+        DIRECT_OPS) instead of the DAG engine: small all_reduce, all_gather,
+        reduce_scatter, all_to_all and barrier always, unless an algorithm is asked for (by
         argument or MPCCS_TUNE); medium ones where the DAG would run them on the
         control plane alone. count x itemsize: the bytes a rank sends each peer;
         call_bytes: what the tuner sizes the call by."""
@@ -575,7 +576,7 @@ class Communicator:
         # Always the control plane (scale-up where it reaches): both ends must
         # agree on the plane without a round trip, and plane state (a plane
         # down, rejoining) may differ between ranks for a moment.
-        kind = DirectAllGatherOp if name == "all_gather" else DirectAllReduceOp
+        kind = DIRECT_OPS.get(name, DirectAllReduceOp)  # all_reduce and barrier: DirectAllReduceOp
         dop = kind(self._engine, self._next_seq(), send, out, op, self.size, fp, finalize, name)
         return self._submit(dop, result, async_op)
 
@@ -629,6 +630,8 @@ class Communicator:
         arrays.check_size(s.size, self.size * r.size, "send (size x recv)")
         arrays.check_op(op, s.dtype)
         arrays.check_separate(s, r, block_at=self.rank * r.size)
+        if self._direct("reduce_scatter", r.size, r.itemsize, algorithm, s.nbytes):
+            return self._run_direct("reduce_scatter", s, r, op, recv, async_op, self._avg(op, r))
         sched = self._schedule("reduce_scatter", r.size, s.nbytes, algorithm=algorithm)
         return self._run("reduce_scatter", sched, {"in": s, "out": r}, s.dtype, op, recv,
                          async_op, self._avg(op, r))
@@ -663,6 +666,8 @@ class Communicator:
             raise ValueError("all_to_all cannot run in place: pass separate send and recv arrays")
         if s.size % self.size:
             raise ValueError(f"send has {s.size} elements, not a multiple of the communicator size {self.size}")
+        if self._direct("all_to_all", s.size // self.size, s.itemsize, algorithm, s.nbytes):
+            return self._run_direct("all_to_all", s, r, "sum", recv, async_op)
         sched = self._schedule("all_to_all", s.size // self.size, s.nbytes, algorithm=algorithm)
         return self._run("all_to_all", sched, {"in": s, "out": r}, s.dtype, "sum", recv, async_op)
 

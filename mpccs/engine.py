@@ -1250,11 +1250,14 @@ class DirectAllReduceOp(Operation):
         self.wire_seq = wire.attempt_seq(seq, 0)
         me = engine.rank
         self.others = tuple(r for r in range(world) if r != me)
-        self.mine = self._own_input(send, out, me)
-        medium = send.nbytes > DIRECT_MAX_BYTES
-        inline = 0 if medium else send.nbytes
+        self.mine = self._own_input(send, out, me, world)
+        nbytes = self.mine.nbytes  # what every message carries: the input, or one block of it
+        # Different blocks to different peers cannot share one inline payload: their own messages
+        # (empty blocks: nothing to send but the fingerprint).
+        medium = nbytes > DIRECT_MAX_BYTES or (self.per_peer and nbytes > 0)
+        inline = 0 if medium else nbytes
         cap = FP_BYTES + max(inline, fp_blob_capacity(engine, world))
-        self._buffers = buffers = engine.direct_buffers(inline, cap, len(self.others), send.nbytes if medium else 0)
+        self._buffers = buffers = engine.direct_buffers(inline, cap, len(self.others), nbytes if medium else 0)
         buffers.payload[:FP_BYTES] = fingerprint.encode().view(np.uint8) if fingerprint is not None else 0
         if not medium:
             buffers.payload[FP_BYTES:] = send.view(np.uint8)
@@ -1263,24 +1266,28 @@ class DirectAllReduceOp(Operation):
         tag = wire.make_tag(wire.KIND_CTRL, engine.comm_id, self.wire_seq, 0, wire.CTRL_FINGERPRINT)
         if medium:
             data_tag = wire.make_tag(wire.KIND_CTRL, engine.comm_id, self.wire_seq, 0, wire.CTRL_DIRECT_DATA)
-            data = send.view(np.uint8)
         for row, peer in enumerate(self.others):
             plane = engine.control_plane(peer)
             self._sends.append(plane.send(peer, buffers.payload, tag | wire.mid_bits(me), buffers.payload_desc))
             self._recvs.append((plane.recv(buffers.rows[row], tag | wire.mid_bits(peer), desc=buffers.row_descs[row]),
                                 peer, row, plane, False))
             if medium:
-                self._sends.append(plane.send(peer, data, data_tag | wire.mid_bits(me)))
+                data = (send[peer * send.size // world:(peer + 1) * send.size // world] if self.per_peer else send)
+                self._sends.append(plane.send(peer, data.view(np.uint8), data_tag | wire.mid_bits(me)))
                 self._data_recvs[peer] = plane.recv(buffers.data[row], data_tag | wire.mid_bits(peer),
                                                     desc=buffers.data_descs[row])
-            self.bytes_per_plane[plane.name] += send.nbytes
+            self.bytes_per_plane[plane.name] += nbytes
 
-    @staticmethod
-    def _own_input(send: np.ndarray, out: np.ndarray, me: int) -> np.ndarray:
+    per_peer = False  # every peer gets the whole input (True: block j of it goes to rank j)
+
+    def _own_input(self, send: np.ndarray, out: np.ndarray, me: int, world: int) -> np.ndarray:
         """What this rank combines of its own: ranks 0 and 1 reduce their input
         first (out = in0 op in1, element by element), so only a later rank
         reducing in place needs a copy of it. may_share_memory: bounds only, 5x
         cheaper than shares_memory; a false positive costs a copy."""
+        if self.per_peer:
+            n = send.size // world
+            send = send[me * n:(me + 1) * n]  # its own block
         return send.copy() if me >= 2 and np.may_share_memory(send, out) else send
 
     def _advance(self) -> bool:
@@ -1352,14 +1359,21 @@ class DirectAllReduceOp(Operation):
         return out
 
 
+class DirectReduceScatterOp(DirectAllReduceOp):
+    """A reduce_scatter as one message per peer: block j of the input to rank j,
+    the blocks received reduced in rank order like the direct all_reduce. A
+    ring sends the same (p - 1) blocks per rank, in p - 1 DAG stages."""
+
+    per_peer = True
+
+
 class DirectAllGatherOp(DirectAllReduceOp):
     """An all_gather as one message per peer: the same messages as the direct
     all_reduce (each rank's block to every other rank, behind its fingerprint),
     placed instead of reduced. A ring all_gather sends each rank the same
     (p - 1) blocks, in p - 1 stages of the DAG engine."""
 
-    @staticmethod
-    def _own_input(send: np.ndarray, out: np.ndarray, me: int) -> np.ndarray:
+    def _own_input(self, send: np.ndarray, out: np.ndarray, me: int, world: int) -> np.ndarray:
         return send  # never written: the other blocks of out are
 
     def _combine(self) -> None:
@@ -1369,6 +1383,16 @@ class DirectAllGatherOp(DirectAllReduceOp):
         own = self.out[self.engine.rank * n:(self.engine.rank + 1) * n]
         if own.ctypes.data != self.mine.ctypes.data:  # not in place
             own[...] = self.mine
+
+
+class DirectAllToAllOp(DirectAllGatherOp):
+    """An all_to_all as one message per peer (block j to rank j), placed."""
+
+    per_peer = True
+
+    def _own_input(self, send: np.ndarray, out: np.ndarray, me: int, world: int) -> np.ndarray:
+        n = send.size // world
+        return send[me * n:(me + 1) * n]  # all_to_all is never in place: no copy
 
 
 class DirectBuffers:

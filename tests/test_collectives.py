@@ -304,6 +304,42 @@ def test_all_gather_direct_paths(pools, world):
         assert r["above"][0] and r["above"][1] != "direct" and r["above_in_place"][0], r
 
 
+def direct_block_paths(comm):
+    """reduce_scatter and all_to_all (block j to rank j) take the direct path
+    small and medium, in rank order (bit-identical), the DAG from the bound up."""
+    p, me = comm.size, comm.rank
+    out = {}
+    policy = comm.path_policy
+    try:
+        comm.set_path_policy("adaptive")
+        for name, n in (("empty", 0), ("small", 3), ("medium", 50_001), ("largest", GATHER_BOUND[0] // 4),
+                        ("above", GATHER_BOUND[1] // 4)):
+            send = _order_sensitive(me, n * p)
+            expected = _rank_order_sum(p, n * p)[me * n:(me + 1) * n]
+            got = comm.reduce_scatter(send, np.empty(n, np.float32))
+            out["rs", name] = (got.tobytes() == expected.tobytes(), comm.last_stats()["algorithm"])
+            whole = send.copy()
+            comm.reduce_scatter(whole, whole[me * n:(me + 1) * n])  # in place: rank 2 needs a copy of its block
+            out["rs_in_place", name] = (whole[me * n:(me + 1) * n].tobytes() == expected.tobytes(),
+                                        comm.last_stats()["algorithm"])
+            blocks = np.arange(n * p, dtype=np.float32) + 1000 * me
+            got = comm.all_to_all(blocks, np.empty(n * p, np.float32))
+            expected = np.concatenate([np.arange(me * n, (me + 1) * n, dtype=np.float32) + 1000 * r for r in range(p)])
+            out["a2a", name] = (bool(np.array_equal(got, expected)), comm.last_stats()["algorithm"])
+    finally:
+        comm.set_path_policy(policy)
+    return out
+
+
+@pytest.mark.parametrize("world", ["2", "3"])
+def test_reduce_scatter_and_all_to_all_direct_paths(pools, world):
+    for r in pools(world).run(direct_block_paths):
+        for kind in ("rs", "rs_in_place", "a2a"):
+            for case in ("empty", "small", "medium", "largest"):
+                assert r[kind, case] == (True, "direct"), (kind, case, r[kind, case])
+            assert r[kind, "above"][0] and r[kind, "above"][1] != "direct", (kind, r[kind, "above"])
+
+
 def async_collectives_in_order(comm):
     """Async collectives on the DAG engine run one at a time, in call order:
     each one's first stage starts only after the one before finished (the

@@ -33,6 +33,9 @@ def mismatched(comm, kind):
         elif kind == "gather_vs_dag":  # a 64 KiB block direct against a 2 MiB one on the DAG
             n = (16 << 10) if r == 0 else (1 << 19)
             comm.all_gather(np.ones(n, np.float32), np.empty(2 * n, np.float32))
+        elif kind == "a2a_size":  # both direct, blocks of 4 KiB against 8 KiB: payloads in their own messages
+            n = 2 * (1024 << r)
+            comm.all_to_all(np.ones(n, np.float32), np.empty(n, np.float32))
         elif kind == "collective":
             if r == 0:
                 comm.all_reduce(x)
@@ -49,7 +52,7 @@ def mismatched(comm, kind):
 
 
 @pytest.mark.parametrize("kind", ["size", "dtype", "op", "root", "collective", "policy", "medium_size",
-                                  "medium_vs_dag", "medium_policy", "gather_vs_dag"])
+                                  "medium_vs_dag", "medium_policy", "gather_vs_dag", "a2a_size"])
 def test_mismatched_calls_raise_on_every_rank(kind):
     pool = RankPool(2, env={"MPCCS_TIMEOUT": "20"})
     try:
@@ -65,7 +68,7 @@ def test_mismatched_calls_raise_on_every_rank(kind):
         assert after == "aborted"
         if kind == "policy":  # a DONE round one rank skips used to wait out the no-progress timeout
             assert "failover protection" in message, message
-        if kind.startswith("medium") or kind == "gather_vs_dag":  # the fingerprint, looked at before the payload: never a truncated receive
+        if kind.startswith("medium") or kind in ("gather_vs_dag", "a2a_size"):  # the fingerprint, looked at before the payload: never a truncated receive
             assert name == "MismatchError", message
             assert ("same path policy" if kind == "medium_policy" else "count") in message, message
     assert elapsed < 15, f"mismatch took {elapsed:.1f} s to surface (a timeout, not detection)"
