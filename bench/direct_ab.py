@@ -4,7 +4,8 @@
     mpccs-run -n 3 --no-prefix python bench/direct_ab.py --out bench/results/direct_medium
     mpccs-run -n 2 --no-prefix python bench/direct_ab.py --collective all_gather --out ...
 
-Float32 all_reduce (or all_gather, sizes = each rank's block) under the path
+Float32 all_reduce (or all_gather, reduce_scatter, all_to_all: sizes = one
+block, what each rank sends each peer) under the path
 policy 'up' (what 'adaptive' does where no stage is large enough to split) on
 the default planes. Each iteration times a block of
 back-to-back operations three ways, interleaved: the direct path (no algorithm
@@ -32,11 +33,19 @@ SIZES = (8 << 10, 32 << 10, 128 << 10, 512 << 10, 1 << 20, 3 << 19)  # the large
 MODES = ("direct", "dag", "dag_again")
 
 
+def buffers(comm, collective: str, nbytes: int):
+    """(send, recv) of a call in which each rank sends nbytes to each peer (all_reduce: the input)."""
+    n, p = nbytes // 4, comm.size
+    if collective in ("reduce_scatter", "all_to_all"):
+        return np.ones(n * p, np.float32), np.empty(n if collective == "reduce_scatter" else n * p, np.float32)
+    return np.ones(n, np.float32), np.empty(n * p if collective == "all_gather" else n, np.float32)
+
+
 def one_call(comm, collective: str, x, out, algorithm) -> None:
-    if collective == "all_gather":
-        comm.all_gather(x, out, algorithm=algorithm)
-    else:
+    if collective == "all_reduce":
         comm.all_reduce(x, algorithm=algorithm)
+    else:
+        getattr(comm, collective)(x, out, algorithm=algorithm)
 
 
 def time_block(comm, collective, x, out, algorithm, block: int) -> float:
@@ -48,9 +57,8 @@ def time_block(comm, collective, x, out, algorithm, block: int) -> float:
 
 
 def measure(comm, collective: str, nbytes: int, iters: int, block: int, warmup: int) -> dict:
-    x = np.ones(nbytes // 4, np.float32)
-    out = np.empty(x.size * comm.size, np.float32)
-    call_bytes = nbytes * (comm.size if collective == "all_gather" else 1)
+    x, out = buffers(comm, collective, nbytes)
+    call_bytes = nbytes * (1 if collective == "all_reduce" else comm.size)
     dag_algorithm = comm._choose(collective, call_bytes).algorithm  # the tuner's pick: the DAG path as before
     algorithms = {"direct": None, "dag": dag_algorithm, "dag_again": dag_algorithm}
     times = {mode: [] for mode in MODES}
@@ -79,7 +87,7 @@ def summarise(row: dict) -> dict:
 
 
 def report_lines(world: int, rows: list[dict], meta: dict) -> list[str]:
-    what = "all_gather (size = each rank's block)" if meta["collective"] == "all_gather" else "all_reduce"
+    what = "all_reduce" if meta["collective"] == "all_reduce" else f"{meta['collective']} (size = a block)"
     lines = [f"## {world} ranks, float32 {what}, policy 'up', default planes", "",
              f"mpccs {meta['mpccs']}, {meta['iters']} interleaved iterations of {meta['block']} operations, "
              f"{meta['host']}", "",
@@ -99,14 +107,14 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--block", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--collective", choices=("all_reduce", "all_gather"), default="all_reduce")
+    ap.add_argument("--collective", choices=("all_reduce", "all_gather", "reduce_scatter", "all_to_all"),
+                    default="all_reduce")
     args = ap.parse_args()
     comm = mpccs.init()
     comm.set_path_policy("up")
     rows = []
     for k, nbytes in enumerate(SIZES):
-        x = np.ones(nbytes // 4, np.float32)
-        one_call(comm, args.collective, x, np.empty(x.size * comm.size, np.float32), None)
+        one_call(comm, args.collective, *buffers(comm, args.collective, nbytes), None)
         if comm.last_stats()["algorithm"] != "direct":
             break  # past the direct path's bound for this world
         rows.append(measure(comm, args.collective, nbytes, args.iters, args.block, args.warmup))
