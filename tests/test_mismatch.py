@@ -51,16 +51,21 @@ def mismatched(comm, kind):
     return None
 
 
-@pytest.mark.parametrize("kind", ["size", "dtype", "op", "root", "collective", "policy", "medium_size",
-                                  "medium_vs_dag", "medium_policy", "gather_vs_dag", "a2a_size"])
-def test_mismatched_calls_raise_on_every_rank(kind):
+def _run_timed(fn, *args):
+    """(per-rank results, seconds) of fn on a fresh 2-rank pool with a 20 s no-progress timeout."""
     pool = RankPool(2, env={"MPCCS_TIMEOUT": "20"})
     try:
         start = time.monotonic()
-        results = pool.run(mismatched, kind, timeout=60)
-        elapsed = time.monotonic() - start
+        results = pool.run(fn, *args, timeout=60)
+        return results, time.monotonic() - start
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("kind", ["size", "dtype", "op", "root", "collective", "policy", "medium_size",
+                                  "medium_vs_dag", "medium_policy", "gather_vs_dag", "a2a_size"])
+def test_mismatched_calls_raise_on_every_rank(kind):
+    results, elapsed = _run_timed(mismatched, kind)
     for rank, result in enumerate(results):
         assert result is not None, f"rank {rank} completed a mismatched {kind} call"
         name, message, after = result
@@ -108,13 +113,7 @@ def queued_behind_a_mismatch(comm):
 
 
 def test_a_collective_queued_behind_a_failed_one_fails_naming_it():
-    pool = RankPool(2, env={"MPCCS_TIMEOUT": "20"})
-    try:
-        start = time.monotonic()
-        results = pool.run(queued_behind_a_mismatch, timeout=60)
-        elapsed = time.monotonic() - start
-    finally:
-        pool.close()
+    results, elapsed = _run_timed(queued_behind_a_mismatch)
     for rank, result in enumerate(results):
         assert result is not None, f"rank {rank} completed the collective queued behind a mismatch"
         name, message, first = result
