@@ -4,8 +4,8 @@
     mpccs-run -n 3 --no-prefix python bench/direct_ab.py --out bench/results/direct_medium
     mpccs-run -n 2 --no-prefix python bench/direct_ab.py --collective all_gather --out ...
 
-Float32 all_reduce (or all_gather, reduce_scatter, all_to_all: sizes = one
-block, what each rank sends each peer) under the path
+Float32 all_reduce or broadcast from rank 0 (or all_gather, reduce_scatter,
+all_to_all: sizes = one block, what each rank sends each peer) under the path
 policy 'up' (what 'adaptive' does where no stage is large enough to split) on
 the default planes. Each iteration times a block of
 back-to-back operations three ways, interleaved: the direct path (no algorithm
@@ -44,6 +44,8 @@ def buffers(comm, collective: str, nbytes: int):
 def one_call(comm, collective: str, x, out, algorithm) -> None:
     if collective == "all_reduce":
         comm.all_reduce(x, algorithm=algorithm)
+    elif collective == "broadcast":
+        comm.broadcast(x, root=0, algorithm=algorithm)
     else:
         getattr(comm, collective)(x, out, algorithm=algorithm)
 
@@ -58,7 +60,7 @@ def time_block(comm, collective, x, out, algorithm, block: int) -> float:
 
 def measure(comm, collective: str, nbytes: int, iters: int, block: int, warmup: int) -> dict:
     x, out = buffers(comm, collective, nbytes)
-    call_bytes = nbytes * (1 if collective == "all_reduce" else comm.size)
+    call_bytes = nbytes * (1 if collective in ("all_reduce", "broadcast") else comm.size)
     dag_algorithm = comm._choose(collective, call_bytes).algorithm  # the tuner's pick: the DAG path as before
     algorithms = {"direct": None, "dag": dag_algorithm, "dag_again": dag_algorithm}
     times = {mode: [] for mode in MODES}
@@ -87,7 +89,8 @@ def summarise(row: dict) -> dict:
 
 
 def report_lines(world: int, rows: list[dict], meta: dict) -> list[str]:
-    what = "all_reduce" if meta["collective"] == "all_reduce" else f"{meta['collective']} (size = a block)"
+    what = (meta["collective"] if meta["collective"] in ("all_reduce", "broadcast")
+            else f"{meta['collective']} (size = a block)")
     lines = [f"## {world} ranks, float32 {what}, policy 'up', default planes", "",
              f"mpccs {meta['mpccs']}, {meta['iters']} interleaved iterations of {meta['block']} operations, "
              f"{meta['host']}", "",
@@ -107,7 +110,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--block", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--collective", choices=("all_reduce", "all_gather", "reduce_scatter", "all_to_all"),
+    ap.add_argument("--collective", choices=("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"),
                     default="all_reduce")
     args = ap.parse_args()
     comm = mpccs.init()

@@ -18,7 +18,7 @@ from .algorithms import Topology, resumable_in_place
 from .bootstrap import Bootstrap, hostname, rendezvous
 from .config import DEFAULT_UP_TLS_CPU, Options, load_options, parse_policy
 from .engine import (DIRECT_MAX_BYTES, DIRECT_MEDIUM_BUDGET, CollectiveOp, DirectAllGatherOp, DirectAllReduceOp,
-                     DirectAllToAllOp, DirectReduceScatterOp, Engine, Operation, RecvOp, SendOp, Splitter)
+                     DirectAllToAllOp, DirectBroadcastOp, DirectReduceScatterOp, Engine, Operation, RecvOp, SendOp, Splitter)
 from .errors import CommunicatorAborted, ConfigError, MismatchError, MpccsError, TransportError
 from .reduce import finish_avg
 from .telemetry import Telemetry
@@ -30,7 +30,8 @@ DEFAULT_WINDOW_BYTES = {UP: 4 << 20, OUT: 4 << 20}
 DEFAULT_CHUNK_BYTES = 1 << 20
 SINGLE_PLANE_CHUNK_BYTES = 1 << 20  # a sender on one plane only: comm._chunking_for
 DIRECT_MAX_RANKS = 8  # the direct small all_reduce sends p - 1 messages per rank
-DIRECT_OPS = {"all_gather": DirectAllGatherOp, "reduce_scatter": DirectReduceScatterOp, "all_to_all": DirectAllToAllOp}
+DIRECT_OPS = {"all_gather": DirectAllGatherOp, "reduce_scatter": DirectReduceScatterOp, "all_to_all": DirectAllToAllOp,
+              "broadcast": DirectBroadcastOp}
 # What the tuner assumes a reduction costs (bytes of output per second). A
 # prior, identical on every rank: plans must not depend on local measurements.
 REDUCE_BPS_PRIOR = 5e9
@@ -541,19 +542,20 @@ class Communicator:
             carriers = {p for p, share in ((UP, policy), (OUT, 1.0 - policy)) if share > 0}
         return any(self._planes[p].failable for p in carriers)
 
-    def _direct(self, collective: str, count: int, itemsize: int, algorithm, call_bytes: int) -> bool:
+    def _direct(self, collective: str, count: int, itemsize: int, algorithm, call_bytes: int, root=None) -> bool:
         """Whether a call takes one message per peer (engine.DirectAllReduceOp and
         DIRECT_OPS) instead of the DAG engine: small all_reduce, all_gather,
-        reduce_scatter, all_to_all and barrier always, unless an algorithm is asked for (by
+        reduce_scatter, all_to_all, broadcast and barrier always, unless an algorithm is asked for (by
         argument or MPCCS_TUNE); medium ones where the DAG would run them on the
         control plane alone. count x itemsize: the bytes a rank sends each peer;
         call_bytes: what the tuner sizes the call by."""
         if algorithm is not None or not 1 < self.size <= DIRECT_MAX_RANKS \
                 or self._tune.match(collective, call_bytes) is not None:
             return False
-        return count * itemsize <= DIRECT_MAX_BYTES or self._direct_medium(collective, count, itemsize, call_bytes)
+        return (count * itemsize <= DIRECT_MAX_BYTES
+                or self._direct_medium(collective, count, itemsize, call_bytes, root))
 
-    def _direct_medium(self, collective: str, count: int, itemsize: int, call_bytes: int) -> bool:
+    def _direct_medium(self, collective: str, count: int, itemsize: int, call_bytes: int, root=None) -> bool:
         """Where the DAG would send every byte on the control plane, unprotected:
         policy 'up', or 'adaptive' where no rank sends min_multipath_bytes in any
         stage of the schedule the tuner picks (the engine splits no smaller
@@ -564,20 +566,21 @@ class Communicator:
         if (count * itemsize * (self.size - 1) > DIRECT_MEDIUM_BUDGET or len(set(self.domains)) > 1
                 or self._policy not in (UP, "adaptive") or self._protected(call_bytes, single_plane=True)):
             return False
-        plan = self._schedule(collective, count, call_bytes)
+        plan = self._schedule(collective, count, call_bytes, root=root)
         return (plan.single_plane
                 or plan.schedule.max_stage_send() * itemsize < self._engine.controller.config.min_multipath_bytes)
 
-    def _run_direct(self, name, send, out, op, result, async_op, finalize=None):
+    def _run_direct(self, name, send, out, op, result, async_op, finalize=None, root=None):
         self._check_usable()
         fp = None
         if self.options.fingerprint:
-            fp = fingerprint.make(name, op, send.dtype, "direct", None, 0, send.size)
+            fp = fingerprint.make(name, op, send.dtype, "direct", root, 0, send.size)
         # Always the control plane (scale-up where it reaches): both ends must
         # agree on the plane without a round trip, and plane state (a plane
         # down, rejoining) may differ between ranks for a moment.
         kind = DIRECT_OPS.get(name, DirectAllReduceOp)  # all_reduce and barrier: DirectAllReduceOp
-        dop = kind(self._engine, self._next_seq(), send, out, op, self.size, fp, finalize, name)
+        extra = {} if root is None else {"root": root}
+        dop = kind(self._engine, self._next_seq(), send, out, op, self.size, fp, finalize, name, **extra)
         return self._submit(dop, result, async_op)
 
     def _avg(self, op, buf):
@@ -698,6 +701,8 @@ class Communicator:
             return self._via_host({"buf": buf}, ["buf"] if self.rank == root else [], ["buf"], "buf",
                                   lambda h: self.broadcast(h["buf"], root, async_op=True, algorithm=algorithm), async_op)
         b = arrays.check_array(buf, "buf", writable=True)
+        if self._direct("broadcast", b.size, b.itemsize, algorithm, b.nbytes, root=root):
+            return self._run_direct("broadcast", b, b, "sum", buf, async_op, root=root)
         sched = self._schedule("broadcast", b.size, b.nbytes, root=root, algorithm=algorithm)
         return self._run("broadcast", sched, {"in": b, "out": b}, b.dtype, "sum", buf, async_op)
 

@@ -1255,11 +1255,12 @@ class DirectAllReduceOp(Operation):
         # Different blocks to different peers cannot share one inline payload: their own messages
         # (empty blocks: nothing to send but the fingerprint).
         medium = nbytes > DIRECT_MAX_BYTES or (self.per_peer and nbytes > 0)
-        inline = 0 if medium else nbytes
+        inline = 0 if medium else nbytes  # in each fingerprint message that carries a payload
+        sends = inline if any(self._sends_to(peer) for peer in self.others) else 0
         cap = FP_BYTES + max(inline, fp_blob_capacity(engine, world))
-        self._buffers = buffers = engine.direct_buffers(inline, cap, len(self.others), nbytes if medium else 0)
+        self._buffers = buffers = engine.direct_buffers(sends, cap, len(self.others), nbytes if medium else 0)
         buffers.payload[:FP_BYTES] = fingerprint.encode().view(np.uint8) if fingerprint is not None else 0
-        if not medium:
+        if sends:
             buffers.payload[FP_BYTES:] = send.view(np.uint8)
         self._sends, self._recvs, self._got = [], [], {}
         self._data_recvs = {}
@@ -1271,14 +1272,22 @@ class DirectAllReduceOp(Operation):
             self._sends.append(plane.send(peer, buffers.payload, tag | wire.mid_bits(me), buffers.payload_desc))
             self._recvs.append((plane.recv(buffers.rows[row], tag | wire.mid_bits(peer), desc=buffers.row_descs[row]),
                                 peer, row, plane, False))
-            if medium:
+            if medium and self._sends_to(peer):
                 data = (send[peer * send.size // world:(peer + 1) * send.size // world] if self.per_peer else send)
                 self._sends.append(plane.send(peer, data.view(np.uint8), data_tag | wire.mid_bits(me)))
+            if medium and self._receives_from(peer):
                 self._data_recvs[peer] = plane.recv(buffers.data[row], data_tag | wire.mid_bits(peer),
                                                     desc=buffers.data_descs[row])
-            self.bytes_per_plane[plane.name] += nbytes
+            if self._sends_to(peer):
+                self.bytes_per_plane[plane.name] += nbytes
 
     per_peer = False  # every peer gets the whole input (True: block j of it goes to rank j)
+
+    def _sends_to(self, peer: int) -> bool:
+        return True  # a payload, not only the fingerprint
+
+    def _receives_from(self, peer: int) -> bool:
+        return True
 
     def _own_input(self, send: np.ndarray, out: np.ndarray, me: int, world: int) -> np.ndarray:
         """What this rank combines of its own: ranks 0 and 1 reduce their input
@@ -1329,7 +1338,7 @@ class DirectAllReduceOp(Operation):
         buf = self._buffers.rows[row]
         if self.fingerprint is not None:
             check_fingerprint(self, buf, peer, self.others, self.wire_seq)
-        if peer not in self._data_recvs:
+        if peer not in self._data_recvs and self._receives_from(peer):
             self._got[peer] = buf[FP_BYTES:FP_BYTES + self.mine.nbytes].view(self.mine.dtype)
 
     def _fail(self, exc: BaseException) -> None:
@@ -1393,6 +1402,29 @@ class DirectAllToAllOp(DirectAllGatherOp):
     def _own_input(self, send: np.ndarray, out: np.ndarray, me: int, world: int) -> np.ndarray:
         n = send.size // world
         return send[me * n:(me + 1) * n]  # all_to_all is never in place: no copy
+
+
+class DirectBroadcastOp(DirectAllReduceOp):
+    """A broadcast as one message from the root to every other rank; the
+    others send the root their fingerprint alone, so it learns of a mismatch
+    too. A pipelined broadcast sends the same bytes in many DAG stages."""
+
+    def __init__(self, *args, root: int = 0, **kwargs):
+        self.root = root
+        super().__init__(*args, **kwargs)
+
+    def _own_input(self, send: np.ndarray, out: np.ndarray, me: int, world: int) -> np.ndarray:
+        return send  # the root's buffer: read, never written
+
+    def _sends_to(self, peer: int) -> bool:
+        return self.engine.rank == self.root
+
+    def _receives_from(self, peer: int) -> bool:
+        return peer == self.root
+
+    def _combine(self) -> None:
+        if self.engine.rank != self.root:
+            self.out[...] = self._got[self.root]
 
 
 class DirectBuffers:

@@ -340,6 +340,31 @@ def test_reduce_scatter_and_all_to_all_direct_paths(pools, world):
             assert r[kind, "above"][0] and r[kind, "above"][1] != "direct", (kind, r[kind, "above"])
 
 
+def direct_broadcast_paths(comm):
+    """broadcast takes the direct path small and medium from every root, the DAG above the budget."""
+    out = {}
+    policy = comm.path_policy
+    try:
+        comm.set_path_policy("adaptive")
+        for name, n in (("small", 3), ("medium", 50_001), ("above", (2 << 20) // 4 + 1)):
+            for root in range(comm.size):
+                expected = np.arange(n, dtype=np.float32) + root
+                buf = expected.copy() if comm.rank == root else np.zeros(n, np.float32)
+                comm.broadcast(buf, root=root)
+                out[name, root] = (bool(np.array_equal(buf, expected)), comm.last_stats()["algorithm"])
+    finally:
+        comm.set_path_policy(policy)
+    return out
+
+
+@pytest.mark.parametrize("world", ["2", "3"])
+def test_broadcast_direct_paths(pools, world):
+    for r in pools(world).run(direct_broadcast_paths):
+        for root in range(int(world)):
+            assert r["small", root] == (True, "direct") and r["medium", root] == (True, "direct"), r
+            assert r["above", root][0] and r["above", root][1] != "direct", r
+
+
 def async_collectives_in_order(comm):
     """Async collectives on the DAG engine run one at a time, in call order:
     each one's first stage starts only after the one before finished (the
