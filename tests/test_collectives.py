@@ -273,9 +273,7 @@ def direct_all_gather_paths(comm):
     place), the DAG from the bound up; results exact either way."""
     p, me = comm.size, comm.rank
     out = {}
-    policy = comm.path_policy
-    try:
-        comm.set_path_policy("adaptive")
+    with path_policy(comm, "adaptive"):
         for name, n in (("small", 3), ("medium", 50_001), ("largest", GATHER_BOUND[0] // 4),
                         ("above", GATHER_BOUND[1] // 4)):
             expected = np.concatenate([np.arange(n, dtype=np.float32) + 10 * r for r in range(p)])
@@ -285,8 +283,6 @@ def direct_all_gather_paths(comm):
             whole[me * n:(me + 1) * n] = np.arange(n) + 10 * me
             comm.all_gather(whole[me * n:(me + 1) * n], whole)
             out[name + "_in_place"] = (bool(np.array_equal(whole, expected)), comm.last_stats()["algorithm"])
-    finally:
-        comm.set_path_policy(policy)
     return out
 
 
@@ -309,9 +305,7 @@ def direct_block_paths(comm):
     small and medium, in rank order (bit-identical), the DAG from the bound up."""
     p, me = comm.size, comm.rank
     out = {}
-    policy = comm.path_policy
-    try:
-        comm.set_path_policy("adaptive")
+    with path_policy(comm, "adaptive"):
         for name, n in (("empty", 0), ("small", 3), ("medium", 50_001), ("largest", GATHER_BOUND[0] // 4),
                         ("above", GATHER_BOUND[1] // 4)):
             send = _order_sensitive(me, n * p)
@@ -326,8 +320,6 @@ def direct_block_paths(comm):
             got = comm.all_to_all(blocks, np.empty(n * p, np.float32))
             expected = np.concatenate([np.arange(me * n, (me + 1) * n, dtype=np.float32) + 1000 * r for r in range(p)])
             out["a2a", name] = (bool(np.array_equal(got, expected)), comm.last_stats()["algorithm"])
-    finally:
-        comm.set_path_policy(policy)
     return out
 
 
@@ -343,17 +335,13 @@ def test_reduce_scatter_and_all_to_all_direct_paths(pools, world):
 def direct_broadcast_paths(comm):
     """broadcast takes the direct path small and medium from every root, the DAG above the budget."""
     out = {}
-    policy = comm.path_policy
-    try:
-        comm.set_path_policy("adaptive")
+    with path_policy(comm, "adaptive"):
         for name, n in (("small", 3), ("medium", 50_001), ("above", (2 << 20) // 4 + 1)):
             for root in range(comm.size):
                 expected = np.arange(n, dtype=np.float32) + root
                 buf = expected.copy() if comm.rank == root else np.zeros(n, np.float32)
                 comm.broadcast(buf, root=root)
                 out[name, root] = (bool(np.array_equal(buf, expected)), comm.last_stats()["algorithm"])
-    finally:
-        comm.set_path_policy(policy)
     return out
 
 
@@ -503,6 +491,17 @@ def random_shape_all_reduce(comm, shape, name):
 @given(shape=st.lists(st.integers(0, 40), min_size=1, max_size=3), name=st.sampled_from(DTYPES))
 def test_random_shapes_property(pools, shape, name):
     assert pools("2").run(random_shape_all_reduce, tuple(shape), name) == [None, None]
+
+
+@contextlib.contextmanager
+def path_policy(comm, policy):
+    """Run a case under ``policy`` and restore the pool rank's policy after it."""
+    before = comm.path_policy
+    comm.set_path_policy(policy)
+    try:
+        yield
+    finally:
+        comm.set_path_policy(before)
 
 
 def _order_sensitive(rank: int, n: int) -> np.ndarray:
