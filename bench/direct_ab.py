@@ -4,7 +4,7 @@
     mpccs-run -n 3 --no-prefix python bench/direct_ab.py --out bench/results/direct_medium
     mpccs-run -n 2 --no-prefix python bench/direct_ab.py --collective all_gather --out ...
 
-Float32 all_reduce or broadcast from rank 0 (or all_gather, reduce_scatter,
+Float32 all_reduce, broadcast from or reduce to rank 0 (or all_gather, reduce_scatter,
 all_to_all: sizes = one block, what each rank sends each peer) under the path
 policy 'up' (what 'adaptive' does where no stage is large enough to split) on
 the default planes. Each iteration times a block of
@@ -46,6 +46,8 @@ def one_call(comm, collective: str, x, out, algorithm) -> None:
         comm.all_reduce(x, algorithm=algorithm)
     elif collective == "broadcast":
         comm.broadcast(x, root=0, algorithm=algorithm)
+    elif collective == "reduce":
+        comm.reduce(x, out if comm.rank == 0 else None, root=0, algorithm=algorithm)
     else:
         getattr(comm, collective)(x, out, algorithm=algorithm)
 
@@ -60,7 +62,7 @@ def time_block(comm, collective, x, out, algorithm, block: int) -> float:
 
 def measure(comm, collective: str, nbytes: int, iters: int, block: int, warmup: int) -> dict:
     x, out = buffers(comm, collective, nbytes)
-    call_bytes = nbytes * (1 if collective in ("all_reduce", "broadcast") else comm.size)
+    call_bytes = nbytes * (1 if collective in ("all_reduce", "broadcast", "reduce") else comm.size)
     dag_algorithm = comm._choose(collective, call_bytes).algorithm  # the tuner's pick: the DAG path as before
     algorithms = {"direct": None, "dag": dag_algorithm, "dag_again": dag_algorithm}
     times = {mode: [] for mode in MODES}
@@ -89,7 +91,7 @@ def summarise(row: dict) -> dict:
 
 
 def report_lines(world: int, rows: list[dict], meta: dict) -> list[str]:
-    what = (meta["collective"] if meta["collective"] in ("all_reduce", "broadcast")
+    what = (meta["collective"] if meta["collective"] in ("all_reduce", "broadcast", "reduce")
             else f"{meta['collective']} (size = a block)")
     lines = [f"## {world} ranks, float32 {what}, policy 'up', default planes", "",
              f"mpccs {meta['mpccs']}, {meta['iters']} interleaved iterations of {meta['block']} operations, "
@@ -110,7 +112,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--block", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--collective", choices=("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"),
+    ap.add_argument("--collective", choices=("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
+                                             "reduce"),
                     default="all_reduce")
     args = ap.parse_args()
     comm = mpccs.init()

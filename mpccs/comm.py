@@ -18,7 +18,8 @@ from .algorithms import Topology, resumable_in_place
 from .bootstrap import Bootstrap, hostname, rendezvous
 from .config import DEFAULT_UP_TLS_CPU, Options, load_options, parse_policy
 from .engine import (DIRECT_MAX_BYTES, DIRECT_MEDIUM_BUDGET, CollectiveOp, DirectAllGatherOp, DirectAllReduceOp,
-                     DirectAllToAllOp, DirectBroadcastOp, DirectReduceScatterOp, Engine, Operation, RecvOp, SendOp, Splitter)
+                     DirectAllToAllOp, DirectBroadcastOp, DirectReduceOp, DirectReduceScatterOp,
+                     Engine, Operation, RecvOp, SendOp, Splitter)
 from .errors import CommunicatorAborted, ConfigError, MismatchError, MpccsError, TransportError
 from .reduce import finish_avg
 from .telemetry import Telemetry
@@ -31,7 +32,7 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 SINGLE_PLANE_CHUNK_BYTES = 1 << 20  # a sender on one plane only: comm._chunking_for
 DIRECT_MAX_RANKS = 8  # the direct small all_reduce sends p - 1 messages per rank
 DIRECT_OPS = {"all_gather": DirectAllGatherOp, "reduce_scatter": DirectReduceScatterOp, "all_to_all": DirectAllToAllOp,
-              "broadcast": DirectBroadcastOp}
+              "broadcast": DirectBroadcastOp, "reduce": DirectReduceOp}
 # What the tuner assumes a reduction costs (bytes of output per second). A
 # prior, identical on every rank: plans must not depend on local measurements.
 REDUCE_BPS_PRIOR = 5e9
@@ -545,7 +546,7 @@ class Communicator:
     def _direct(self, collective: str, count: int, itemsize: int, algorithm, call_bytes: int, root=None) -> bool:
         """Whether a call takes one message per peer (engine.DirectAllReduceOp and
         DIRECT_OPS) instead of the DAG engine: small all_reduce, all_gather,
-        reduce_scatter, all_to_all, broadcast and barrier always, unless an algorithm is asked for (by
+        reduce_scatter, all_to_all, broadcast, reduce and barrier always, unless an algorithm is asked for (by
         argument or MPCCS_TUNE); medium ones where the DAG would run them on the
         control plane alone. count x itemsize: the bytes a rank sends each peer;
         call_bytes: what the tuner sizes the call by."""
@@ -732,11 +733,13 @@ class Communicator:
             if recv is not None and arrays.check_separate(s, r):
                 r = s  # the same elements passed twice: in place
         arrays.check_op(op, s.dtype)
-        sched = self._schedule("reduce", s.size, s.nbytes, root=root, algorithm=algorithm)
         out = r if r is not None else np.empty(0, dtype=s.dtype)
         result = (send if recv is None else recv) if self.rank == root else None
-        return self._run("reduce", sched, {"in": s, "out": out}, s.dtype, op, result, async_op,
-                         self._avg(op, r) if r is not None else None)
+        finalize = self._avg(op, r) if r is not None else None
+        if self._direct("reduce", s.size, s.itemsize, algorithm, s.nbytes, root=root):
+            return self._run_direct("reduce", s, out, op, result, async_op, finalize, root=root)
+        sched = self._schedule("reduce", s.size, s.nbytes, root=root, algorithm=algorithm)
+        return self._run("reduce", sched, {"in": s, "out": out}, s.dtype, op, result, async_op, finalize)
 
     def barrier(self) -> None:
         self._check_usable()

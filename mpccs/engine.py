@@ -1404,14 +1404,34 @@ class DirectAllToAllOp(DirectAllGatherOp):
         return send[me * n:(me + 1) * n]  # all_to_all is never in place: no copy
 
 
-class DirectBroadcastOp(DirectAllReduceOp):
-    """A broadcast as one message from the root to every other rank; the
-    others send the root their fingerprint alone, so it learns of a mismatch
-    too. A pipelined broadcast sends the same bytes in many DAG stages."""
+class _RootedDirectOp(DirectAllReduceOp):
+    """A direct operation with a root (broadcast, reduce)."""
 
     def __init__(self, *args, root: int = 0, **kwargs):
         self.root = root
         super().__init__(*args, **kwargs)
+
+
+class DirectReduceOp(_RootedDirectOp):
+    """A reduce as one message from every other rank to the root, reduced there
+    in rank order like the direct all_reduce; the root sends the others its
+    fingerprint alone, so they learn of a mismatch too."""
+
+    def _sends_to(self, peer: int) -> bool:
+        return self.engine.rank != self.root and peer == self.root
+
+    def _receives_from(self, peer: int) -> bool:
+        return self.engine.rank == self.root
+
+    def _combine(self) -> None:
+        if self.engine.rank == self.root:
+            super()._combine()
+
+
+class DirectBroadcastOp(_RootedDirectOp):
+    """A broadcast as one message from the root to every other rank; the
+    others send the root their fingerprint alone, so it learns of a mismatch
+    too. A pipelined broadcast sends the same bytes in many DAG stages."""
 
     def _own_input(self, send: np.ndarray, out: np.ndarray, me: int, world: int) -> np.ndarray:
         return send  # the root's buffer: read, never written

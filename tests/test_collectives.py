@@ -345,6 +345,32 @@ def direct_broadcast_paths(comm):
     return out
 
 
+def direct_reduce_paths(comm):
+    """reduce takes the direct path small and medium to every root, in rank order
+    (bit-identical), in place or not; non-roots keep their input."""
+    p, me = comm.size, comm.rank
+    out = {}
+    with path_policy(comm, "adaptive"):
+        for name, n in (("small", 3), ("medium", 50_001), ("above", (2 << 20) // 4 + 1)):
+            expected = _rank_order_sum(p, n).tobytes()
+            for root in range(p):
+                got = comm.reduce(_order_sensitive(me, n), np.empty(n, np.float32) if me == root else None, root=root)
+                algorithm = comm.last_stats()["algorithm"]
+                mine = _order_sensitive(me, n)
+                comm.reduce(mine, root=root)  # in place on the root: rank 2 as root copies its input first
+                kept = mine.tobytes() == (expected if me == root else _order_sensitive(me, n).tobytes())
+                out[name, root] = ((got.tobytes() == expected) if me == root else got is None, kept, algorithm)
+    return out
+
+
+@pytest.mark.parametrize("world", ["2", "3"])
+def test_reduce_direct_paths(pools, world):
+    for r in pools(world).run(direct_reduce_paths):
+        for root in range(int(world)):
+            assert r["small", root] == (True, True, "direct") and r["medium", root] == (True, True, "direct"), r
+            assert r["above", root][:2] == (True, True) and r["above", root][2] != "direct", r
+
+
 @pytest.mark.parametrize("world", ["2", "3"])
 def test_broadcast_direct_paths(pools, world):
     for r in pools(world).run(direct_broadcast_paths):
