@@ -30,7 +30,7 @@ from .windows import OUT, UP, Pacer
 DEFAULT_WINDOW_BYTES = {UP: 4 << 20, OUT: 4 << 20}
 DEFAULT_CHUNK_BYTES = 1 << 20
 SINGLE_PLANE_CHUNK_BYTES = 1 << 20  # a sender on one plane only: comm._chunking_for
-DIRECT_MAX_RANKS = 8  # the direct small all_reduce sends p - 1 messages per rank
+DIRECT_MAX_RANKS = 8  # the direct path sends up to p - 1 messages per rank
 DIRECT_OPS = {"all_gather": DirectAllGatherOp, "reduce_scatter": DirectReduceScatterOp, "all_to_all": DirectAllToAllOp,
               "broadcast": DirectBroadcastOp, "reduce": DirectReduceOp}
 # What the tuner assumes a reduction costs (bytes of output per second). A
@@ -545,10 +545,10 @@ class Communicator:
 
     def _direct(self, collective: str, count: int, itemsize: int, algorithm, call_bytes: int, root=None) -> bool:
         """Whether a call takes one message per peer (engine.DirectAllReduceOp and
-        DIRECT_OPS) instead of the DAG engine: small all_reduce, all_gather,
-        reduce_scatter, all_to_all, broadcast, reduce and barrier always, unless an algorithm is asked for (by
-        argument or MPCCS_TUNE); medium ones where the DAG would run them on the
-        control plane alone. count x itemsize: the bytes a rank sends each peer;
+        DIRECT_OPS) instead of the DAG engine: small calls of every collective
+        but all_to_allv always, unless an algorithm is asked for (by argument or
+        MPCCS_TUNE); medium ones where the DAG would run them on the control
+        plane alone. count x itemsize: the bytes a rank sends each peer;
         call_bytes: what the tuner sizes the call by."""
         if algorithm is not None or not 1 < self.size <= DIRECT_MAX_RANKS \
                 or self._tune.match(collective, call_bytes) is not None:

@@ -1205,10 +1205,10 @@ class CollectiveOp(Operation):
 
 
 # ---------------------------------------------------------------------------
-# small all-reduce: one message per peer
+# the direct path: small and medium collectives as one message per peer
 # ---------------------------------------------------------------------------
-DIRECT_MAX_BYTES = 4096  # all_reduce (and barrier) at most this large take the direct path, payload inline
-# A medium all_reduce takes the direct path too where the DAG would run it on
+DIRECT_MAX_BYTES = 4096  # a payload at most this large rides in the fingerprint message; always direct
+# A medium collective takes the direct path too where the DAG would run it on
 # the control plane alone (comm._direct): at most this many bytes sent per
 # rank, (p - 1) x the input. 2 ranks, default planes: 2.4-2.8x faster than the
 # DAG at 8-32 KiB, 1.5-1.9x at 128 KiB-1.5 MiB (bench/direct_ab.py); at 4 MiB
@@ -1273,7 +1273,7 @@ class DirectAllReduceOp(Operation):
             self._recvs.append((plane.recv(buffers.rows[row], tag | wire.mid_bits(peer), desc=buffers.row_descs[row]),
                                 peer, row, plane, False))
             if medium and self._sends_to(peer):
-                data = (send[peer * send.size // world:(peer + 1) * send.size // world] if self.per_peer else send)
+                data = _block(send, peer, world) if self.per_peer else send
                 self._sends.append(plane.send(peer, data.view(np.uint8), data_tag | wire.mid_bits(me)))
             if medium and self._receives_from(peer):
                 self._data_recvs[peer] = plane.recv(buffers.data[row], data_tag | wire.mid_bits(peer),
@@ -1282,6 +1282,7 @@ class DirectAllReduceOp(Operation):
                 self.bytes_per_plane[plane.name] += nbytes
 
     per_peer = False  # every peer gets the whole input (True: block j of it goes to rank j)
+    reduces = True  # what arrives is reduced into out (False: placed)
 
     def _sends_to(self, peer: int) -> bool:
         return True  # a payload, not only the fingerprint
@@ -1290,14 +1291,14 @@ class DirectAllReduceOp(Operation):
         return True
 
     def _own_input(self, send: np.ndarray, out: np.ndarray, me: int, world: int) -> np.ndarray:
-        """What this rank combines of its own: ranks 0 and 1 reduce their input
-        first (out = in0 op in1, element by element), so only a later rank
-        reducing in place needs a copy of it. may_share_memory: bounds only, 5x
-        cheaper than shares_memory; a false positive costs a copy."""
-        if self.per_peer:
-            n = send.size // world
-            send = send[me * n:(me + 1) * n]  # its own block
-        return send.copy() if me >= 2 and np.may_share_memory(send, out) else send
+        """What this rank combines of its own (its block of the input when blocks
+        go per peer). Ranks 0 and 1 reduce theirs first (out = in0 op in1,
+        element by element), so only a later rank reducing in place needs a copy
+        of it; what is placed is never overwritten before it is read.
+        may_share_memory: bounds only, 5x cheaper than shares_memory; a false
+        positive costs a copy."""
+        mine = _block(send, me, world) if self.per_peer else send
+        return mine.copy() if self.reduces and me >= 2 and np.may_share_memory(mine, out) else mine
 
     def _advance(self) -> bool:
         moved = False
@@ -1382,8 +1383,7 @@ class DirectAllGatherOp(DirectAllReduceOp):
     placed instead of reduced. A ring all_gather sends each rank the same
     (p - 1) blocks, in p - 1 stages of the DAG engine."""
 
-    def _own_input(self, send: np.ndarray, out: np.ndarray, me: int, world: int) -> np.ndarray:
-        return send  # never written: the other blocks of out are
+    reduces = False
 
     def _combine(self) -> None:
         n = self.mine.size
@@ -1398,10 +1398,6 @@ class DirectAllToAllOp(DirectAllGatherOp):
     """An all_to_all as one message per peer (block j to rank j), placed."""
 
     per_peer = True
-
-    def _own_input(self, send: np.ndarray, out: np.ndarray, me: int, world: int) -> np.ndarray:
-        n = send.size // world
-        return send[me * n:(me + 1) * n]  # all_to_all is never in place: no copy
 
 
 class _RootedDirectOp(DirectAllReduceOp):
@@ -1433,8 +1429,7 @@ class DirectBroadcastOp(_RootedDirectOp):
     others send the root their fingerprint alone, so it learns of a mismatch
     too. A pipelined broadcast sends the same bytes in many DAG stages."""
 
-    def _own_input(self, send: np.ndarray, out: np.ndarray, me: int, world: int) -> np.ndarray:
-        return send  # the root's buffer: read, never written
+    reduces = False
 
     def _sends_to(self, peer: int) -> bool:
         return self.engine.rank == self.root
@@ -1445,6 +1440,12 @@ class DirectBroadcastOp(_RootedDirectOp):
     def _combine(self) -> None:
         if self.engine.rank != self.root:
             self.out[...] = self._got[self.root]
+
+
+def _block(send: np.ndarray, rank: int, world: int) -> np.ndarray:
+    """Block ``rank`` of ``send`` cut into ``world`` equal blocks (reduce_scatter, all_to_all)."""
+    n = send.size // world
+    return send[rank * n:(rank + 1) * n]
 
 
 class DirectBuffers:
@@ -1941,7 +1942,7 @@ class Engine:
         alone in that crowd, dropped 'out' for good (the testbed step-time run:
         99% on 'up', 0.99x). One at a time costs no bandwidth (the planes were
         the bottleneck) and finishes the oldest first. Point-to-point and direct
-        all_reduce operations are not held."""
+        operations are not held."""
         if not isinstance(op, CollectiveOp):
             return None
         for other in self.active:
@@ -1989,7 +1990,8 @@ class Engine:
             moved |= op.advance()
             if op.finished:
                 self.active.remove(op)
-                collective_running = False if isinstance(op, CollectiveOp) else collective_running
+                if isinstance(op, CollectiveOp):
+                    collective_running = False  # the next one may start in this pass
         return moved
 
     def wait(self, op: Operation, timeout_s: float) -> None:

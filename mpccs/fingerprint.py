@@ -91,7 +91,8 @@ class Fingerprint:
                 out.append(f"{name} {a} vs {b}")
                 if name == "algorithm" and "direct" in (a, b) and self.count == other.count:
                     # same call, different path: the direct path follows the path policy
-                    out[-1] += " (a medium all_reduce goes direct under 'up' and 'adaptive' only: set the same path policy on every rank)"
+                    out[-1] += (" (a medium collective goes direct under 'up' and 'adaptive' only: "
+                                "set the same path policy on every rank)")
         if self.protected != other.protected:
             # the DONE round would wait forever on the rank that skips it
             out.append(f"failover protection {'on' if self.protected else 'off'} vs "

@@ -37,7 +37,7 @@ CTRL_DONE = 8  # "every flow I receive in attempt seq has arrived" (completion a
 CTRL_PING = 9  # a plane heartbeat; seq carries a nonce
 CTRL_PONG = 10
 CTRL_WIREUP = 11  # one byte per plane and peer at init: connections exist before the first operation
-CTRL_DIRECT_DATA = 12  # a medium direct all_reduce's payload, sent after its fingerprint message
+CTRL_DIRECT_DATA = 12  # a direct operation's payload in its own message, after its fingerprint message
 
 # A collective's wire sequence number: the low 13 bits of its operation
 # number, and the top bit set on its retry, so no chunk of a failed attempt
