@@ -24,6 +24,7 @@ from .errors import CommunicatorAborted, ConfigError, MismatchError, MpccsError,
 from .reduce import finish_avg
 from .telemetry import Telemetry
 from .transports.plane import Plane
+from .two_step import MAX_HALF_BYTES as TWO_STEP_MAX_HALF_BYTES
 from .control.split import PathModel
 from .windows import OUT, UP, Pacer
 
@@ -441,7 +442,9 @@ class Communicator:
         return choose(collective, self.size, nbytes, self.topology, self._prior_costs, override=self._tune,
                       reduce_Bps=REDUCE_BPS_PRIOR)
 
-    def _run(self, name, plan: "CallPlan", buffers, dtype, op, result, async_op, finalize=None):
+    def _run(self, name, plan: "CallPlan", buffers, dtype, op, result, async_op, finalize=None,
+             two_step: bool = False):
+        """``two_step``: the call may run on the two-step executor (_two_step_call)."""
         self._check_usable()
         schedule = plan.schedule
         health = self._engine.health
@@ -478,10 +481,11 @@ class Communicator:
                 unsaved = True
             else:
                 snapshot = buffers["in"].copy()
+        two_step = two_step and fp is not None and self._sends_on_up_only(protected, epoch, carries)
         cop = CollectiveOp(self._engine, self._next_seq(), schedule, buffers, dtype, op, splitter,
                            chunk_bytes, name, finalize, fp, protected=protected, snapshot=snapshot,
                            input_unsaved=unsaved, epoch=epoch, carries_failable=carries, whole_flows=whole_flows,
-                           resume_in_place=resume)
+                           resume_in_place=resume, two_step=two_step)
         return self._submit(cop, result, async_op)
 
     def _chunking_for(self, plan: "CallPlan", sends_on_one_plane: bool) -> tuple[int, bool]:
@@ -507,6 +511,28 @@ class Communicator:
         if not one_plane:
             return plan.chunk_bytes, False
         return max(plan.chunk_bytes, SINGLE_PLANE_CHUNK_BYTES), True
+
+    def _two_step_call(self, algorithm, nbytes: int) -> bool:
+        """An all_reduce the two-step executor may run (engine.CollectiveOp offers it to
+        the peer, which must offer it too): 2 ranks in one domain, no algorithm asked
+        for (by argument or MPCCS_TUNE), fingerprints on (the offer rides on them), and
+        halves that fit the scratch pool (two_step.py)."""
+        return (self.size == 2 and self.options.two_step and self.options.fingerprint and algorithm is None
+                and len(set(self.domains)) == 1 and nbytes // 2 <= TWO_STEP_MAX_HALF_BYTES
+                and self._tune.match("all_reduce", nbytes) is None)
+
+    def _sends_on_up_only(self, protected: bool, epoch: Optional[int], carries: Optional[bool]) -> bool:
+        """Every byte this rank sends in the call goes on 'up', which reaches the peer
+        and cannot fail: policy 'up', or 'adaptive' below the multipath size, or with
+        'out' dropped (the promise CollectiveOp declares). Then the two-step executor,
+        which sends on the control plane, changes no plane a byte takes."""
+        up = self._planes.get(UP)
+        if up is None or up.failable or UP in self._engine.health.down \
+                or not all(up.reaches(r) for r in range(self.size) if r != self.rank):
+            return False
+        if self._policy == UP:
+            return not protected
+        return self._policy == "adaptive" and (carries is False or (epoch is None and not protected))
 
     def _multipath_eligible(self, nbytes: int, single_plane: bool) -> bool:
         """An adaptive call the controller may split (deterministic: the same on every rank)."""
@@ -614,7 +640,8 @@ class Communicator:
             return self._run_direct("all_reduce", s, r, op, send if recv is None else recv, async_op, self._avg(op, r))
         sched = self._schedule("all_reduce", s.size, s.nbytes, algorithm=algorithm)
         return self._run("all_reduce", sched, {"in": s, "out": r}, s.dtype, op,
-                         send if recv is None else recv, async_op, self._avg(op, r))
+                         send if recv is None else recv, async_op, self._avg(op, r),
+                         two_step=self._two_step_call(algorithm, s.nbytes))
 
     def reduce_scatter(self, send, recv, op: str = "sum", *, async_op: bool = False, algorithm=None):
         """Rank i receives the reduction of block i (send.size == size * recv.size)."""

@@ -35,6 +35,7 @@ from .health import PlaneHealth
 from .prologue import DeferredCopies
 from .reduce import reduce_into, reduce_to
 from .telemetry import wall
+from .two_step import TwoStepAllReduce
 from .windows import (OUT, UP, FlowCursor, Pacer, boundary_for, chunk_count, chunk_range, flow_chunk_elems,
                       flow_min_chunks, missing_ranges)
 
@@ -43,10 +44,12 @@ MIN_CHUNK_BYTES = 64 << 10
 RETRY_RESTART = b"\0"  # from intact (or restored) inputs
 RETRY_RESUME = b"\1"  # over its buffers as left, each range reduced once
 FP_BYTES = 16  # a fingerprint's two uint64 words
-# Under 'adaptive' a byte after the fingerprint declares whether the sender may
-# put bytes of this operation on a failable plane (0: no declaration, e.g. a
-# peer on a fixed policy; read as "may").
-DECLARES_SAFE, DECLARES_CARRY = 1, 2
+# A byte after the fingerprint carries the sender's declarations (0: none).
+# Under 'adaptive': whether it may put bytes of this operation on a failable
+# plane (no declaration, e.g. a peer on a fixed policy, reads as "may").
+# DECLARES_TWO_STEP: it would run the operation on the two-step executor
+# (two_step.py), which both ranks then do only if both declare it.
+DECLARES_SAFE, DECLARES_CARRY, DECLARES_TWO_STEP = 1, 2, 4
 ABORT_REASON_MAX = 1024
 IDLE_SPINS_BEFORE_YIELD = 16
 MIN_SAMPLE_BYTES = 64 << 10  # smaller chunks measure latency and skew, not a link's rate
@@ -541,7 +544,7 @@ class CollectiveOp(Operation):
                  fingerprint=None, protected: bool = False, snapshot: Optional[np.ndarray] = None,
                  input_unsaved: bool = False, epoch: Optional[int] = None,
                  carries_failable: Optional[bool] = None, whole_flows: bool = False,
-                 resume_in_place: bool = False):
+                 resume_in_place: bool = False, two_step: bool = False):
         super().__init__(engine, seq)
         # Failover (docs/reliability.md): a protected operation completes only
         # once every rank has all its data (the DONE round), so no rank has
@@ -561,6 +564,12 @@ class CollectiveOp(Operation):
         self.carries_failable = carries_failable
         self.protection_waived = False
         self._peer_carries: set = set()
+        # The two-step executor (two_step.py) replaces the stages when this rank
+        # offers it (``two_step``: comm decides where it may) and its peer does too;
+        # an offering rank sends nothing until it has read the peer's offer.
+        self.offers_two_step = two_step
+        self._peers_two_step: set = set()
+        self.two_step: Optional[TwoStepAllReduce] = None
         self.snapshot = snapshot
         self.input_unsaved = input_unsaved  # in place, no copy taken: a failure cannot be retried
         self.epoch = epoch  # the controller's shared clock (comm: multipath-eligible adaptive operations)
@@ -631,12 +640,15 @@ class CollectiveOp(Operation):
         payload = self.fingerprint.encode().view(np.uint8)
         controller = engine.controller
         self._fp_blob_cap = 0
+        offer = DECLARES_TWO_STEP if self.offers_two_step else 0
         if controller is not None and self.splitter.name == "adaptive":
             blob = controller.export_estimates(time.perf_counter(), self.epoch)
-            declared = DECLARES_SAFE if self.carries_failable is False else DECLARES_CARRY
+            declared = (DECLARES_SAFE if self.carries_failable is False else DECLARES_CARRY) | offer
             # One bytes join (numpy's concatenate of three arrays cost ~4 us here).
             payload = np.frombuffer(bytearray(self.fingerprint.raw + bytes((declared,)) + blob), dtype=np.uint8)
             self._fp_blob_cap = controller.blob_capacity(self.schedule.world - 1)
+        elif offer:
+            payload = np.frombuffer(bytearray(self.fingerprint.raw + bytes((offer,))), dtype=np.uint8)
         self._fp_payload = payload
         for peer in self.fp_peers:
             tag = wire.make_tag(wire.KIND_CTRL, cid, self.wire_seq, me, wire.CTRL_FINGERPRINT)
@@ -665,8 +677,11 @@ class CollectiveOp(Operation):
             mine = self.fingerprint
             if theirs is not None and (theirs.chunk_log2, theirs.whole_flows) != (mine.chunk_log2, mine.whole_flows):
                 self._follow_senders_chunking(peer, 1 << theirs.chunk_log2, theirs.whole_flows)
+            declared = int(self._fp_bufs[row][FP_BYTES])
+            if declared & DECLARES_TWO_STEP:
+                self._peers_two_step.add(peer)
             if self._fp_blob_cap:
-                if self._fp_bufs[row][FP_BYTES] != DECLARES_SAFE:
+                if not declared & DECLARES_SAFE:
                     self._peer_carries.add(peer)
                 self._merge_estimates(peer, self._fp_bufs[row][FP_BYTES + 1:])
             self.verified.add(peer)
@@ -828,6 +843,13 @@ class CollectiveOp(Operation):
 
     def _advance_run(self) -> bool:
         moved = self._check_fingerprints()
+        if self.offers_two_step:
+            if self._fp_recvs:
+                return moved  # the executor is not agreed yet
+            self._choose_executor()
+            moved = True
+        if self.two_step is not None:
+            return self._advance_two_step() or moved
         moved |= self._start_ready_stages()
         moved |= self._post_receives()
         moved |= self._reap_receives()
@@ -840,6 +862,22 @@ class CollectiveOp(Operation):
             else:
                 self._complete()
             return True
+        return moved
+
+    def _choose_executor(self) -> None:
+        """Two-step when the peer offered it too (every peer: two_step.py is for 2 ranks)
+        and no completion round is due; else the stages, as every rank decides alike."""
+        self.offers_two_step = False
+        if self._peers_two_step.issuperset(self.others) and not self.protected:
+            self.two_step = TwoStepAllReduce(self, MIN_SAMPLE_BYTES)
+            self.deferred = DeferredCopies((), self.rank, self.buffers)  # it writes every output element itself
+
+    def _advance_two_step(self) -> bool:
+        moved = self.two_step.advance()
+        if self.two_step.done:
+            if self.finalize is not None:
+                self.finalize()
+            self._finish()
         return moved
 
     # -- completion agreement and failover ----------------------------------
@@ -1150,6 +1188,9 @@ class CollectiveOp(Operation):
             ) from exc
 
     def _fail(self, exc: BaseException) -> None:
+        if self.two_step is not None:
+            for req, buf in self.two_step.pending():
+                self.engine.park(req, buf)
         # The output holds what the prologue put there even when the operation
         # fails (a failed all_gather still has the rank's own block in place).
         deferred = getattr(self, "deferred", None)
@@ -1165,6 +1206,12 @@ class CollectiveOp(Operation):
         self._finish()
 
     def describe_stall(self) -> dict:
+        if self.two_step is not None:
+            return self.two_step.describe_stall()
+        if self.offers_two_step and self._fp_recvs:
+            waiting = sorted(peer for _, peer, _ in self._fp_recvs)
+            return {"stage": "start", "peer": waiting, "plane": "control",
+                    "waiting_for": f"the fingerprint messages of ranks {waiting}"}
         waiting_in = [(i.peer, i.flow.id, f"{i.arrived}/{i.nchunks}") for r in self.active for i in r.ins if not i.done]
         waiting_out = [(o.peer, o.flow.id) for r in self.active for o in r.outs if not o.done]
         planes = sorted({p.name for _, _, _, _, _, p, _ in self.in_chunks} | {p.name for _, _, p, _, _, _ in self.out_chunks})
@@ -1193,7 +1240,8 @@ class CollectiveOp(Operation):
     def stats(self) -> dict:
         out = super().stats()
         out.update(
-            algorithm=self.schedule.algorithm, channels=self.schedule.channels,
+            algorithm="two_step" if self.two_step is not None else self.schedule.algorithm,
+            channels=self.schedule.channels,
             chunk_bytes=self.plan_chunk_elems * self.itemsize, whole_flows=self.flow_min_chunks == 1,
             policy=self.splitter.name, stages=self.stage_log,
             protected=self.protected, protection_waived=self.protection_waived,
@@ -1691,6 +1739,7 @@ class Engine:
         self._parked: list = []
         self._next_control_poll = 0.0
         self._direct_pool: dict[tuple, list] = {}  # DirectBuffers by DirectBuffers.key
+        self._two_step_scratch: Optional[np.ndarray] = None  # see two_step_scratch()
         self._direct_pool_bytes = 0
         self.fp_capacity: dict[int, int] = {}  # fp_blob_capacity by world size
         # QoS rate cap: paces this rank's borrowed chunks on 'out' (every operation, every policy).
@@ -1816,6 +1865,21 @@ class Engine:
             self._scratch_pooled -= size
             return pool.pop()
         return np.empty(size, dtype=np.uint8)
+
+    def two_step_scratch(self, nbytes: int) -> np.ndarray:
+        """The two-step executor's receive buffer (one: collectives run one at a
+        time), kept at the largest size asked (at most two_step.MAX_HALF_BYTES).
+        Pooled chunks of that size were often gone to the DAG's chunks in between,
+        and a fresh buffer per call faulted its pages in under the receive (a
+        4 MiB half took 2.5x as long as into a warm buffer)."""
+        buf = self._two_step_scratch
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._two_step_scratch = np.empty(max(1, nbytes), dtype=np.uint8)
+        return buf[:nbytes]
+
+    def forget_two_step_scratch(self) -> None:
+        """A failed call parked it: UCX may still write there, so the next call gets its own."""
+        self._two_step_scratch = None
 
     def release_scratch(self, buf: np.ndarray) -> None:
         """Keep the chunk for reuse within SCRATCH_POOL_BYTES. Chunk sizes vary

@@ -39,6 +39,11 @@ CTRL_PONG = 10
 CTRL_WIREUP = 11  # one byte per plane and peer at init: connections exist before the first operation
 CTRL_DIRECT_DATA = 12  # a direct operation's payload in its own message, after its fingerprint message
 
+# Flow ids no schedule reaches, for the two-step executor's messages (two_step.py):
+# collective-data tags, so a failed attempt's strays are drained like chunks.
+TWO_STEP_RS_FLOW = MAX_FLOWS - 2  # a rank's input half that its peer owns
+TWO_STEP_AG_FLOW = MAX_FLOWS - 1  # the half a rank owns, reduced
+
 # A collective's wire sequence number: the low 13 bits of its operation
 # number, and the top bit set on its retry, so no chunk of a failed attempt
 # can ever be taken for one of the retry.

@@ -36,6 +36,9 @@ def mismatched(comm, kind):
         elif kind == "a2a_size":  # both direct, blocks of 4 KiB against 8 KiB: payloads in their own messages
             n = 2 * (1024 << r)
             comm.all_to_all(np.ones(n, np.float32), np.empty(n, np.float32))
+        elif kind == "two_step_size":  # both offer the two-step executor: it waits for the fingerprints
+            comm.set_path_policy("up")
+            comm.all_reduce(np.ones((1 << 19) + 2 * r, np.float32))
         elif kind == "collective":
             if r == 0:
                 comm.all_reduce(x)
@@ -63,7 +66,8 @@ def _run_timed(fn, *args):
 
 
 @pytest.mark.parametrize("kind", ["size", "dtype", "op", "root", "collective", "policy", "medium_size",
-                                  "medium_vs_dag", "medium_policy", "gather_vs_dag", "a2a_size"])
+                                  "medium_vs_dag", "medium_policy", "gather_vs_dag", "a2a_size",
+                                  "two_step_size"])
 def test_mismatched_calls_raise_on_every_rank(kind):
     results, elapsed = _run_timed(mismatched, kind)
     for rank, result in enumerate(results):
@@ -73,7 +77,7 @@ def test_mismatched_calls_raise_on_every_rank(kind):
         assert after == "aborted"
         if kind == "policy":  # a DONE round one rank skips used to wait out the no-progress timeout
             assert "failover protection" in message, message
-        if kind.startswith("medium") or kind in ("gather_vs_dag", "a2a_size"):  # the fingerprint, looked at before the payload: never a truncated receive
+        if kind.startswith("medium") or kind in ("gather_vs_dag", "a2a_size", "two_step_size"):  # the fingerprint, looked at before the payload: never a truncated receive
             assert name == "MismatchError", message
             assert ("same path policy" if kind == "medium_policy" else "count") in message, message
     assert elapsed < 15, f"mismatch took {elapsed:.1f} s to surface (a timeout, not detection)"

@@ -1,0 +1,146 @@
+"""The two-step executor against the DAG engine and the floor, 2 ranks.
+
+    mpccs-run -n 2 --no-prefix python bench/two_step_ab.py --out bench/results/two_step
+
+Float32 all_reduce, in place, under the path policy 'up' on the default planes
+(what 'adaptive' runs between probes once 'out' is dropped). Each iteration
+times a block of back-to-back operations four ways, interleaved: the two-step
+executor (no algorithm asked: what a user gets), the DAG with the algorithm
+the tuner picks (what a user got before), the DAG again (the A/A noise
+floor), and the same two exchanges written against the planes by hand (the
+floor for any executor: pre-posted receives, no fingerprints, no
+bookkeeping). Per-op time = block time / block length, max across ranks.
+Writes all_reduce_2ranks.json and appends a section to report.md under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+import mpccs
+from mpccs import wire
+
+sys.path.insert(0, os.path.dirname(__file__))
+from stats import noise_floor, ratio_ci  # noqa: E402
+
+SIZES = tuple(m << 20 for m in (2, 4, 8, 16))
+MODES = ("two_step", "dag", "dag_again", "by_hand")
+HAND_TAG = wire.make_tag(wire.KIND_P2P, 0xFF, 0, 0)  # a comm id no communicator here uses
+
+
+class ByHand:
+    """The two-step exchanges on the 'up' plane with nothing around them."""
+
+    def __init__(self, comm, n: int):
+        self.plane = comm._engine.planes["up"]
+        self.peer = 1 - comm.rank
+        cut = n // 2
+        self.mine, self.theirs = (slice(0, cut), slice(cut, n)) if comm.rank == 0 else (slice(cut, n), slice(0, cut))
+        self.tmp = np.empty(n - cut + 1, np.float32)
+
+    def _wait(self, reqs) -> None:
+        while not all(r.completed for r in reqs):
+            self.plane.progress()
+
+    def __call__(self, x: np.ndarray) -> None:
+        p, peer, mine, theirs = self.plane, self.peer, self.mine, self.theirs
+        incoming = self.tmp[:x[mine].size]
+        self._wait([p.recv(incoming, HAND_TAG | 1), p.send(peer, x[theirs], HAND_TAG | 1)])
+        np.add(x[mine], incoming, out=x[mine])
+        self._wait([p.recv(x[theirs], HAND_TAG | 2), p.send(peer, x[mine], HAND_TAG | 2)])
+
+
+def time_block(comm, call, block: int) -> float:
+    comm.barrier()
+    t0 = time.perf_counter()
+    for _ in range(block):
+        call()
+    return (time.perf_counter() - t0) / block
+
+
+def measure(comm, nbytes: int, iters: int, block: int, warmup: int) -> dict:
+    x = np.ones(nbytes // 4, np.float32)
+    dag_algorithm = comm._choose("all_reduce", nbytes).algorithm
+    by_hand = ByHand(comm, x.size)
+    calls = {"two_step": lambda: comm.all_reduce(x), "dag": lambda: comm.all_reduce(x, algorithm=dag_algorithm),
+             "dag_again": lambda: comm.all_reduce(x, algorithm=dag_algorithm), "by_hand": lambda: by_hand(x)}
+    times = {mode: [] for mode in MODES}
+    for i in range(warmup + iters):
+        for mode in (MODES if i % 2 else MODES[::-1]):
+            x[:] = 1  # keep values bounded: every call doubles them
+            t = time_block(comm, calls[mode], block)
+            if i >= warmup:
+                times[mode].append(t)
+    path = {}
+    for mode in ("two_step", "dag"):
+        calls[mode]()
+        path[mode] = comm.last_stats()["algorithm"]
+    local = np.array([times[m] for m in MODES], np.float64)
+    worst = comm.all_reduce(local, np.empty_like(local), op="max")
+    return {"size": nbytes, "algorithm": path, "times_s": {m: worst[k].tolist() for k, m in enumerate(MODES)}}
+
+
+def summarise(row: dict) -> dict:
+    t = row["times_s"]
+    return {
+        "median_us": {m: 1e6 * float(np.median(t[m])) for m in MODES},
+        "speedup": ratio_ci(t["two_step"], t["dag"], paired=True),  # time(dag) / time(two_step)
+        "of_floor": ratio_ci(t["two_step"], t["by_hand"], paired=True),  # time(by hand) / time(two_step)
+        "noise_floor": noise_floor(t["dag"], t["dag_again"]),
+    }
+
+
+def report_lines(rows: list[dict], meta: dict) -> list[str]:
+    lines = ["## 2 ranks, float32 all_reduce in place, policy 'up', default planes", "",
+             f"mpccs {meta['mpccs']}, {meta['iters']} interleaved iterations of {meta['block']} operations, "
+             f"{meta['host']}", "",
+             "| size | two-step (us) | DAG (us) | by hand (us) | DAG algorithm | two-step speedup [95% CI] | "
+             "A/A floor | by hand / two-step [95% CI] |",
+             "|---:|---:|---:|---:|:--|---:|---:|---:|"]
+    for row in rows:
+        s = summarise(row)
+        point, lo, hi = s["speedup"]
+        fp, flo, fhi = s["of_floor"]
+        m = s["median_us"]
+        lines.append(f"| {row['size'] >> 20} MiB | {m['two_step']:.0f} | {m['dag']:.0f} | {m['by_hand']:.0f} | "
+                     f"{row['algorithm']['dag']} | {point:.2f} [{lo:.2f}, {hi:.2f}] | {s['noise_floor']:.2f} | "
+                     f"{fp:.2f} [{flo:.2f}, {fhi:.2f}] |")
+    return lines + [""]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--block", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    args = ap.parse_args()
+    comm = mpccs.init()
+    if comm.size != 2:
+        raise SystemExit("two_step_ab.py: run it on 2 ranks (the two-step executor is for 2)")
+    comm.set_path_policy("up")
+    rows = []
+    for k, nbytes in enumerate(SIZES):
+        rows.append(measure(comm, nbytes, args.iters, args.block, args.warmup))
+        if comm.rank == 0:
+            print(f"# progress: {k + 1}/{len(SIZES)} sizes", flush=True)
+    if comm.rank == 0:
+        meta = {"mpccs": mpccs.__version__, "iters": args.iters, "block": args.block, "world": comm.size,
+                "host": f"{os.uname().sysname} {os.uname().release}, {os.cpu_count()} CPUs"}
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "all_reduce_2ranks.json"), "w") as fh:
+            json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+        lines = report_lines(rows, meta)
+        print("\n".join(lines), flush=True)
+        with open(os.path.join(args.out, "report.md"), "a") as fh:
+            fh.write("\n".join(lines) + "\n")
+    comm.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""The two-step executor (mpccs/two_step.py): 2-rank all_reduces on 'up' alone
+as two messages each way, agreed between the ranks in their fingerprint messages.
+
+Runs on live ranks over real UCX planes (one pool for the module); what each
+call ran on comes from last_stats()["algorithm"].
+"""
+import contextlib
+import dataclasses
+
+import numpy as np
+import pytest
+
+from collective_cases import dtype_of
+from rankpool import RankPool
+from test_collectives import readds_off
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = RankPool(2)
+    yield p
+    p.close()
+
+
+@contextlib.contextmanager
+def options(comm, **changes):
+    saved = comm.options
+    comm.options = dataclasses.replace(saved, **changes)
+    try:
+        yield
+    finally:
+        comm.options = saved
+
+
+def inputs(rank: int, n: int, dtype: str) -> np.ndarray:
+    rng = np.random.default_rng(1000 + rank)
+    dt = dtype_of(dtype)
+    if dt.kind in "iu":
+        return rng.integers(1, 5, n).astype(dt)  # small: products of two stay exact
+    return rng.standard_normal(n).astype(dt)
+
+
+def reference(n: int, dtype: str, op: str) -> np.ndarray:
+    a, b = inputs(0, n, dtype), inputs(1, n, dtype)
+    ufunc = {"sum": np.add, "avg": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}[op]
+    out = ufunc(a, b)  # rank 0's operand first, as every executor reduces
+    if op == "avg":
+        out = (out.astype(np.float32) / 2).astype(out.dtype) if out.dtype.itemsize < 4 else out / 2
+    return out
+
+
+# (bytes, dtype, op, in place): odd element counts give the ranks unequal halves
+CALLS = [
+    (2 * MIB, "float32", "sum", True),
+    (2 * MIB + 4, "float32", "avg", False),
+    (3 * MIB + 2, "float16", "sum", True),
+    (4 * MIB, "bfloat16", "max", False),
+    (5 * MIB + 8, "int64", "prod", True),
+    (8 * MIB, "float64", "min", False),
+    (16 * MIB, "float32", "sum", True),
+]
+
+
+def calls_under(comm, policy):
+    """Each of CALLS under ``policy``: (executor, exact) per call."""
+    comm.set_path_policy(policy)
+    out = []
+    with readds_off(comm):
+        for nbytes, dtype, op, in_place in CALLS:
+            n = nbytes // dtype_of(dtype).itemsize
+            x = inputs(comm.rank, n, dtype)
+            if in_place:
+                got = x
+                comm.all_reduce(x, op=op)
+            else:
+                got = np.full_like(x, 7)
+                comm.all_reduce(x, got, op=op)
+                assert np.array_equal(x, inputs(comm.rank, n, dtype)), "the input changed out of place"
+            out.append((comm.last_stats()["algorithm"], got.tobytes() == reference(n, dtype, op).tobytes()))
+    return out
+
+
+def test_two_step_runs_up_calls_bit_exactly(pool):
+    for per_rank in pool.run(calls_under, "up"):
+        assert per_rank == [("two_step", True)] * len(CALLS)
+
+
+def test_settled_adaptive_calls_take_the_two_step_executor(pool):
+    # A fresh pool has 'out' dropped from the start (tcp on the same cores never
+    # pays); calls between probes run on 'up' alone, so on the two-step executor.
+    # Probes and the calls around them keep the DAG: both must stay exact.
+    for per_rank in pool.run(calls_under, "adaptive"):
+        assert all(exact for _, exact in per_rank), per_rank
+        assert ("two_step", True) in per_rank, per_rank
+
+
+def stats_of_one_call(comm):
+    comm.set_path_policy("up")
+    x = np.ones(MIB, np.float32)  # 4 MiB
+    comm.all_reduce(x)
+    st = comm.last_stats()
+    return x[0], st["algorithm"], [s["label"] for s in st["stages"]], st["bytes_per_plane"]
+
+
+def test_two_step_reports_its_steps_and_bytes(pool):
+    for value, algorithm, labels, per_plane in pool.run(stats_of_one_call):
+        assert (value, algorithm, labels) == (2.0, "two_step", ["reduce-scatter", "all-gather"])
+        assert per_plane == {"up": 4 * MIB, "out": 0}  # half the input each step, all on 'up'
+
+
+def mixed_offers(comm, declined_by):
+    """One rank does not offer the two-step executor: both must run the DAG."""
+    comm.set_path_policy("up")
+    x = np.arange(MIB, dtype=np.float32)
+    with options(comm, two_step=comm.rank != declined_by):
+        comm.all_reduce(x)
+    return comm.last_stats()["algorithm"], bool(np.array_equal(x, 2 * np.arange(MIB, dtype=np.float32)))
+
+
+@pytest.mark.parametrize("declined_by", [0, 1])
+def test_both_ranks_fall_back_to_the_dag_unless_both_offer(pool, declined_by):
+    results = pool.run(mixed_offers, declined_by)
+    assert results[0] == results[1] and results[0][1], results
+    assert results[0][0] != "two_step"
+
+
+def where_it_is_not_offered(comm):
+    x = np.ones(MIB, np.float32)
+    seen = {}
+    comm.set_path_policy("up")
+    comm.all_reduce(x, algorithm="ring")  # an algorithm asked for runs as asked
+    seen["algorithm asked"] = comm.last_stats()["algorithm"]
+    comm.set_path_policy(0.8)  # a split puts bytes on 'out'
+    comm.all_reduce(x)
+    seen["fixed split"] = comm.last_stats()["algorithm"]
+    comm.set_path_policy("up")
+    comm.all_reduce(np.ones(9 * MIB, np.float32))  # halves over two_step.MAX_HALF_BYTES
+    seen["over the bound"] = comm.last_stats()["algorithm"]
+    comm.reduce_scatter(np.ones(MIB, np.float32), np.empty(MIB // 2, np.float32))
+    seen["another collective"] = comm.last_stats()["algorithm"]
+    return seen
+
+
+def test_two_step_only_where_every_byte_goes_on_up_and_nothing_else_is_asked(pool):
+    for seen in pool.run(where_it_is_not_offered):
+        assert "two_step" not in seen.values(), seen
+        assert seen["algorithm asked"] == "ring"
+
+
+def peer_absent(comm):
+    """Rank 0 calls, rank 1 does not: the no-progress timeout names what is missing."""
+    import mpccs
+
+    comm.set_path_policy("up")
+    if comm.rank == 1:
+        return None
+    with options(comm, timeout_s=1.0):
+        try:
+            comm.all_reduce(np.ones(MIB, np.float32))
+        except mpccs.OperationTimeout as exc:
+            return str(exc)
+    return "completed"
+
+
+def test_a_missing_peer_times_out_naming_the_agreement_it_waits_for():
+    pool = RankPool(2)  # the case leaves a call half done: a pool of its own
+    try:
+        message, _ = pool.run(peer_absent)
+    finally:
+        pool.close()
+    assert message is not None and "fingerprint messages of ranks [1]" in message, message
