@@ -96,6 +96,7 @@ class TwoStepAllReduce:
             self._check(req)
         self._note_arrival(self.nbytes_theirs)
         self._end_step(self.nbytes_mine)
+        self._report_solo()
         return True
 
     def _reduce(self) -> None:
@@ -109,6 +110,15 @@ class TwoStepAllReduce:
         controller = self.op.engine.controller
         if controller is not None and self.op.splitter.policy == "adaptive" and nbytes >= self.min_sample_bytes:
             controller.on_delivery(self.plane.name, self.peer, nbytes, self.t_step, time.perf_counter())
+
+    def _report_solo(self) -> None:
+        """The two steps as solo stages of 'up' for the controller (adaptive only): what
+        a probe of 'out' must beat is what 'up' alone delivers, and that is this."""
+        controller = self.op.engine.controller
+        if controller is not None and self.op.splitter.policy == "adaptive":
+            steps = self.op.stage_log[-2:]
+            controller.on_solo_stage(self.plane.name, max(self.nbytes_mine, self.nbytes_theirs),
+                                     sum(s["duration_s"] for s in steps) / 2)
 
     def _end_step(self, sent: int) -> None:
         now = time.perf_counter()
