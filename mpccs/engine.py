@@ -870,7 +870,7 @@ class CollectiveOp(Operation):
         self.offers_two_step = False
         if self._peers_two_step.issuperset(self.others) and not self.protected:
             self.two_step = TwoStepAllReduce(self, MIN_SAMPLE_BYTES)
-            self.deferred = DeferredCopies((), self.rank, self.buffers)  # it writes every output element itself
+            self.deferred.drop_all()  # it writes every output element itself
 
     def _advance_two_step(self) -> bool:
         moved = self.two_step.advance()

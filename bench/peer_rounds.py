@@ -1,0 +1,97 @@
+"""mpccs against MPICH in alternating rounds, for a machine whose speed drifts.
+
+    python bench/peer_rounds.py --out bench/results/peer_rounds            # 6 rounds, 1-16 MiB (~3 min)
+    python bench/peer_rounds.py --out /tmp/pr --rounds 2 --max 4M            # smoke
+
+Target 3 of the benchmarks issue compares mpccs (2 ranks, default planes,
+'adaptive' as shipped) with MPICH through mpi4py; the two cannot run in one
+process, and on these VMs the same code ran 2-3x faster or slower from one
+minute to the next (MPICH's 4 MiB all_reduce: 430 us to 2 ms). One run of
+each compares two moments as much as two libraries. Here they alternate:
+each round runs `mpccs-perf` then `bench/peers.py mpi` (or the other way
+round, alternately) over the same sizes, back to back, and the round's ratio
+is MPICH's median time over mpccs's. The report gives, per size, the median
+of the rounds' ratios with their range and the share of rounds at >= 1.0x,
+next to each library's median time. Writes rounds.json and report.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+BIN = os.path.dirname(sys.executable)
+
+
+def run(cmd: list[str], timeout: float) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    subprocess.run(cmd, check=True, timeout=timeout, env=env, stdout=subprocess.DEVNULL)
+
+
+def times_us(path: str) -> dict[int, float]:
+    with open(path) as fh:
+        return {r["size"]: r["time_us"] for r in json.load(fh)["rows"]}
+
+
+def one_round(k: int, lo: str, hi: str, iters: str, tmp: str) -> dict:
+    perf = [f"{BIN}/mpccs-run", "-n", "2", "--no-prefix", f"{BIN}/mpccs-perf", "all_reduce", "-b", lo, "-e", hi,
+            "-f", "2", "-n", iters, "-w", "5", "--quiet", "-J", f"{tmp}/perf{k}.json"]
+    mpi = [f"{BIN}/mpiexec", "-n", "2", sys.executable, "bench/peers.py", "mpi", "-b", lo, "-e", hi, "-f", "2",
+           "-n", iters, "-w", "5", "-J", f"{tmp}/mpi{k}.json"]
+    for cmd in ((perf, mpi) if k % 2 == 0 else (mpi, perf)):
+        run(cmd, 600)
+    return {"mpccs_us": times_us(f"{tmp}/perf{k}.json"), "mpi_us": times_us(f"{tmp}/mpi{k}.json")}
+
+
+def report(rounds: list[dict], meta: dict) -> str:
+    sizes = sorted(rounds[0]["mpccs_us"])
+    lines = ["# mpccs ('adaptive', as shipped) against MPICH, alternating rounds", "",
+             f"{meta['rounds']} rounds, 2 ranks, default planes, float32 all_reduce, {meta['iters']} iterations per "
+             f"point; {meta['host']}; measured {meta['time']}.", "",
+             "Per round: MPICH's median time / mpccs's (> 1: mpccs faster). Per size: the median of the rounds' "
+             "ratios, their range, the rounds at >= 1.0x, and each library's median time over all rounds.", "",
+             "| size | mpccs (us) | MPICH (us) | ratio, median of rounds | range | rounds >= 1.0x |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for s in sizes:
+        ours = [r["mpccs_us"][s] for r in rounds]
+        theirs = [r["mpi_us"][s] for r in rounds]
+        ratios = [m / o for m, o in zip(theirs, ours)]
+        wins = sum(x >= 1.0 for x in ratios)
+        lines.append(f"| {s >> 20} MiB | {np.median(ours):.0f} | {np.median(theirs):.0f} | {np.median(ratios):.2f} | "
+                     f"{min(ratios):.2f}-{max(ratios):.2f} | {wins}/{len(ratios)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--min", default="1M")
+    ap.add_argument("--max", default="16M")
+    ap.add_argument("--iters", default="20")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    rounds = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in range(args.rounds):
+            rounds.append(one_round(k, args.min, args.max, args.iters, tmp))
+            print(f"# progress: {k + 1}/{args.rounds} rounds", flush=True)
+    meta = {"rounds": args.rounds, "iters": args.iters, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "host": f"{os.uname().sysname} {os.uname().release}, {os.cpu_count()} CPUs"}
+    with open(os.path.join(args.out, "rounds.json"), "w") as fh:
+        json.dump({"meta": meta, "rounds": [{k: {str(s): t for s, t in v.items()} for k, v in r.items()}
+                                            for r in rounds]}, fh, indent=1)
+    text = report(rounds, meta)
+    with open(os.path.join(args.out, "report.md"), "w") as fh:
+        fh.write(text)
+    print(text, flush=True)
+
+
+if __name__ == "__main__":
+    main()
