@@ -416,7 +416,7 @@ class Operation:
     """Base of everything the engine drives. Subclasses implement _advance()."""
 
     name = "op"
-    stats_are_light = False  # True: stats() has no stages or events; the record may be built later
+    stats_are_light = False  # True: its record holds nothing to count but the operation and its bytes; built later
 
     def __init__(self, engine: "Engine", seq: int):
         self.engine = engine
@@ -610,7 +610,12 @@ class CollectiveOp(Operation):
         self._fp_sends, self._fp_recvs = [], []
         if self.fingerprint is not None and self.fp_peers:
             self._exchange_fingerprints()
-        self._begin_attempt()
+        if self.offers_two_step:
+            # The stages' state waits for the executor's choice (_choose_executor);
+            # what a failover notice meanwhile looks at exists.
+            self.active, self.in_chunks, self.out_chunks = [], [], []
+        else:
+            self._begin_attempt()
 
     def _begin_attempt(self) -> None:
         """Fresh per-attempt state; the inputs are intact here (first run or restored)."""
@@ -864,13 +869,20 @@ class CollectiveOp(Operation):
             return True
         return moved
 
+    @property
+    def stats_are_light(self) -> bool:
+        """A two-step operation's record holds no split or event to count: the
+        communicator builds it only if asked (Communicator._record)."""
+        return self.two_step is not None and not self.events
+
     def _choose_executor(self) -> None:
         """Two-step when the peer offered it too (every peer: two_step.py is for 2 ranks)
         and no completion round is due; else the stages, as every rank decides alike."""
         self.offers_two_step = False
         if self._peers_two_step.issuperset(self.others) and not self.protected:
-            self.two_step = TwoStepAllReduce(self, MIN_SAMPLE_BYTES)
-            self.deferred.drop_all()  # it writes every output element itself
+            self.two_step = TwoStepAllReduce(self, MIN_SAMPLE_BYTES)  # it writes every output element itself
+        else:
+            self._begin_attempt()
 
     def _advance_two_step(self) -> bool:
         moved = self.two_step.advance()
@@ -924,6 +936,7 @@ class CollectiveOp(Operation):
         self.events.append({"kind": "plane_failure", "plane": plane, "op": self.name, "seq": self.seq,
                             "stage": stage, "reason": reason, "detected_by": origin})
         self.engine.fail_plane(plane, reason, self.wire_seq, self.others)
+        self.offers_two_step = False  # the retry runs the stages (_retry)
         self.phase = "quiesce"
         self._quiesce_sent = False
         self._quiesced_from: set = set()

@@ -80,10 +80,6 @@ class DeferredCopies:
         """``buf[lo:hi]`` is about to be written whole: its pending copies are moot."""
         self._take(buf, lo, hi, copy=False)
 
-    def drop_all(self) -> None:
-        """Every output element will be written otherwise (engine: the two-step executor)."""
-        self._pending.clear()
-
     def flush(self) -> None:
         for buf in list(self._pending):
             self._take(buf, 0, np.iinfo(np.int64).max, copy=True)

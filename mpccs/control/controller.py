@@ -903,6 +903,10 @@ class PathController:
         self._events.append(event)
         self._events_total += 1
 
+    def has_events(self) -> bool:
+        """Drop or re-add events not yet taken (take_events)."""
+        return self._events_total > self._events_taken
+
     def take_events(self) -> list[dict]:
         """Drop and re-add events since the last call (for the operation's telemetry record)."""
         fresh = min(self._events_total - self._events_taken, len(self._events))
