@@ -944,36 +944,6 @@ def test_solo_records_judge_only_stages_of_a_comparable_size():
     assert ctrl._solo_time(st, "up", 100 * KiB, lat) == pytest.approx(100 * KiB / (64 * KiB / 1e-3))
 
 
-def test_a_gain_must_show_in_the_repeat_too_before_the_plane_returns():
-    # One fast probe stage (a VM's fast phase) re-added 'out' on the default
-    # planes for ~25 slow operations: a gain is repeated, and only a second gain
-    # in a row brings the plane back.
-    cfg, drv, flows = shared_cores()
-    for _ in range(10):
-        drv.step(flows)
-    assert drv.controller.snapshot()["ranks"]["0"]["dropped"] == ["out"]
-    solo_s = flows[0].nbytes / 6.4e9
-    on_stage = drv.controller.on_stage
-    probes = []
-
-    def fast_then_slow(decision, t_start, t_end, bytes_by_plane, rank=None):
-        if mode(decision) == "probe":
-            probes.append(True)  # the first probe looks like a gain, its repeat like harm
-            t_end = t_start + (0.5 if len(probes) == 1 else 2.0) * solo_s
-        on_stage(decision, t_start, t_end, bytes_by_plane, rank=rank)
-
-    drv.controller.on_stage = fast_then_slow
-    modes = []
-    while len(probes) < 2:
-        d, _ = drv.step(flows)
-        modes.append(mode(d))
-        assert d.reason["ranks"]["0"]["dropped"] == ["out"], modes
-    first = modes.index("probe")
-    assert modes[first + 1:] == ["probe"]  # the repeat came at once ...
-    d, _ = drv.step(flows)
-    assert d.reason["ranks"]["0"]["dropped"] == ["out"]  # ... and its harm kept 'out' dropped
-
-
 def test_unplanned_solo_stages_are_solo_records_of_now():
     # The two-step executor's operations report their steps: the freshest record
     # of 'up' alone, stamped with the current decision count.

@@ -181,7 +181,6 @@ class _RankState:
     last_probe_epoch: Optional[int] = None
     confirm_epoch: Optional[int] = None  # an inconclusive probe is repeated once, in the next operation
     confirming: bool = False  # the probe in flight is that repeat
-    confirm_pending: bool = False  # a repeat is due (paced by decisions where there is no epoch)
     readd_epoch: Optional[int] = None  # epoch of the probe that last brought a plane back
     unused_stages: int = 0  # consecutive multipath stages that gave a usable plane nothing
     checks: int = 0
@@ -396,9 +395,8 @@ class PathController:
             return _Mode("check", plane=plane, dropped=dropped)
         if st.dropped and self._probe_due(st, k, epoch):
             plane = sorted(st.dropped)[0]  # one plane at a time
-            st.confirming = (st.confirm_pending if epoch is None
-                             else st.confirm_epoch is not None and epoch == st.confirm_epoch)
-            st.confirm_epoch, st.confirm_pending = None, False
+            st.confirming = st.confirm_epoch is not None and epoch == st.confirm_epoch
+            st.confirm_epoch = None
             st.next_probe_k = k + max(1, st.probe_interval)
             st.last_probe_epoch = epoch
             st.probes += 1
@@ -856,16 +854,7 @@ class PathController:
         t_best = self._solo_time(st, keep, nbytes, latency, best=True) if keep else None
         # No solo record (cleared by a regime change) is no evidence: the
         # stages the dropped plane leaves solo refill it before the next probe.
-        gain = t_best is not None and duration < t_best * (1 - cfg.readd_margin)
-        if gain and not st.confirming:
-            # A gain is repeated too before the plane comes back: one fast
-            # probe stage in a VM's fast phase re-added 'out' on the default
-            # planes (tcp on the cores 'up' uses), and the 2 MiB operations
-            # that followed took 2.4x as long for ~25 operations until it was
-            # dropped again. A plane that pays shows it twice in a row.
-            self._repeat_probe(st, k)
-            return
-        if gain:
+        if t_best is not None and duration < t_best * (1 - cfg.readd_margin):
             st.dropped.clear()
             st.joint.clear()
             st.probe_interval = 0
@@ -886,16 +875,10 @@ class PathController:
             # joint stages, waiting on the first rank's single-plane data,
             # showed no gain and dropped it too, for 16+ operations. The
             # repeat also runs on chunks that refreshed the estimate.
-            self._repeat_probe(st, k)
+            st.confirm_epoch = None if st.last_probe_epoch is None else st.last_probe_epoch + 1
+            st.next_probe_k = k + 1
             return
         st.next_probe_k = k + st.probe_interval
-
-    @staticmethod
-    def _repeat_probe(st, k) -> None:
-        """Probe again in the next operation (its verdict is final: st.confirming)."""
-        st.confirm_epoch = None if st.last_probe_epoch is None else st.last_probe_epoch + 1
-        st.confirm_pending = True
-        st.next_probe_k = k + 1
 
     def _note_event(self, event: dict) -> None:
         if self._epoch is not None:
