@@ -16,7 +16,6 @@ Writes <collective>_<p>ranks.json and appends a section to report.md under --out
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -27,7 +26,7 @@ import numpy as np
 import mpccs
 
 sys.path.insert(0, os.path.dirname(__file__))
-from stats import noise_floor, ratio_ci  # noqa: E402
+from stats import ab_parser, noise_floor, ratio_ci, slowest_rank  # noqa: E402
 
 SIZES = (8 << 10, 32 << 10, 128 << 10, 512 << 10, 1 << 20, 3 << 19)  # the larger ones go direct on 2 ranks only
 MODES = ("direct", "dag", "dag_again")
@@ -75,10 +74,7 @@ def measure(comm, collective: str, nbytes: int, iters: int, block: int, warmup: 
     for mode in MODES:
         one_call(comm, collective, x, out, algorithms[mode])
         path[mode] = comm.last_stats()["algorithm"]
-    # per-op time of an iteration = the slowest rank's
-    local = np.array([times[m] for m in MODES], np.float64)
-    worst = comm.all_reduce(local, np.empty_like(local), op="max")
-    return {"size": nbytes, "algorithm": path, "times_s": {m: worst[k].tolist() for k, m in enumerate(MODES)}}
+    return {"size": nbytes, "algorithm": path, "times_s": slowest_rank(comm, times)}
 
 
 def summarise(row: dict) -> dict:
@@ -107,11 +103,7 @@ def report_lines(world: int, rows: list[dict], meta: dict) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--iters", type=int, default=15)
-    ap.add_argument("--block", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap = ab_parser(__doc__, block=10)
     ap.add_argument("--collective", choices=("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
                                              "reduce"),
                     default="all_reduce")

@@ -8,6 +8,8 @@ The reported value is the median ratio with a 95% percentile interval.
 """
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 
 RESAMPLES = 2000
@@ -38,3 +40,22 @@ def noise_floor(times_a, times_a2) -> float:
     """Half-width of the A/A ratio's interval around 1 (how far identical runs stray)."""
     point, lo, hi = ratio_ci(times_a, times_a2, paired=True)
     return max(abs(1 - lo), abs(hi - 1), abs(point - 1))
+
+
+def slowest_rank(comm, times: dict) -> dict:
+    """Per-iteration times of every mode, each the slowest rank's (an mpccs
+    communicator's max all_reduce): {mode: [seconds, ...]}, the same on every rank."""
+    modes = list(times)
+    local = np.array([times[m] for m in modes], np.float64)
+    worst = comm.all_reduce(local, np.empty_like(local), op="max")
+    return {m: worst[k].tolist() for k, m in enumerate(modes)}
+
+
+def ab_parser(doc: str, block: int) -> argparse.ArgumentParser:
+    """The flags of the in-process interleaved A/B benchmarks (direct_ab, two_step_ab)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--iters", type=int, default=15, help="interleaved iterations per size")
+    ap.add_argument("--block", type=int, default=block, help="operations timed together per iteration")
+    ap.add_argument("--warmup", type=int, default=2, help="iterations left out")
+    return ap

@@ -14,7 +14,6 @@ Writes all_reduce_2ranks.json and appends a section to report.md under --out.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -26,7 +25,7 @@ import mpccs
 from mpccs import wire
 
 sys.path.insert(0, os.path.dirname(__file__))
-from stats import noise_floor, ratio_ci  # noqa: E402
+from stats import ab_parser, noise_floor, ratio_ci, slowest_rank  # noqa: E402
 
 SIZES = tuple(m << 20 for m in (2, 4, 8, 16))
 MODES = ("two_step", "dag", "dag_again", "by_hand")
@@ -80,9 +79,7 @@ def measure(comm, nbytes: int, iters: int, block: int, warmup: int) -> dict:
     for mode in ("two_step", "dag"):
         calls[mode]()
         path[mode] = comm.last_stats()["algorithm"]
-    local = np.array([times[m] for m in MODES], np.float64)
-    worst = comm.all_reduce(local, np.empty_like(local), op="max")
-    return {"size": nbytes, "algorithm": path, "times_s": {m: worst[k].tolist() for k, m in enumerate(MODES)}}
+    return {"size": nbytes, "algorithm": path, "times_s": slowest_rank(comm, times)}
 
 
 def summarise(row: dict) -> dict:
@@ -114,11 +111,7 @@ def report_lines(rows: list[dict], meta: dict) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--iters", type=int, default=15)
-    ap.add_argument("--block", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap = ab_parser(__doc__, block=5)
     args = ap.parse_args()
     comm = mpccs.init()
     if comm.size != 2:
