@@ -518,7 +518,7 @@ class Communicator:
         """An all_reduce the two-step executor may run (engine.CollectiveOp offers it to
         the peer, which must offer it too): 2 ranks in one domain, no algorithm asked
         for (by argument or MPCCS_TUNE), fingerprints on (the offer rides on them), and
-        halves that fit the scratch pool (two_step.py)."""
+        halves within the buffer the engine keeps for them (two_step.MAX_HALF_BYTES)."""
         return (self.size == 2 and self.options.two_step and self.options.fingerprint and algorithm is None
                 and len(set(self.domains)) == 1 and nbytes // 2 <= TWO_STEP_MAX_HALF_BYTES
                 and self._tune.match("all_reduce", nbytes) is None)

@@ -21,10 +21,15 @@ def clean_env():
     return env
 
 
-@pytest.mark.parametrize("trial", range(TRIALS))
-def test_survivor_raises_naming_the_lost_rank(trial):
+# 1 MiB: the direct path, 20 trials; 4 MiB: the two-step executor (its rank waits for the
+# peer's fingerprint message before anything else), 3 trials.
+CASES = [(1 << 18, trial) for trial in range(TRIALS)] + [(1 << 20, trial) for trial in range(3)]
+
+
+@pytest.mark.parametrize("count,trial", CASES)
+def test_survivor_raises_naming_the_lost_rank(count, trial):
     start = time.monotonic()
-    p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "2", "--grace", "20", PROG, str(1 << 18)],
+    p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "2", "--grace", "20", PROG, str(count)],
                        env=clean_env(), capture_output=True, text=True, timeout=60)
     elapsed = time.monotonic() - start
     lines = [line for line in p.stdout.splitlines() if "RESULT" in line]
