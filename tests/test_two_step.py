@@ -171,3 +171,21 @@ def test_a_missing_peer_times_out_naming_the_agreement_it_waits_for():
     finally:
         pool.close()
     assert message is not None and "fingerprint messages of ranks [1]" in message, message
+
+
+def async_two_steps(comm):
+    """Several two-step calls in flight at once (a training loop's gradient buckets):
+    they share the engine's one receive buffer, which only works one at a time."""
+    comm.set_path_policy("up")
+    xs = [np.full(MIB // 2 + 1024 * i, float(comm.rank + i), np.float32) for i in range(4)]  # 2 MiB and up
+    works = [comm.all_reduce(x, async_op=True) for x in xs]
+    for work in reversed(works):  # waited for in any order
+        work.wait()
+    algorithms = {w.stats()["algorithm"] for w in works}
+    exact = all(np.array_equal(x, np.full_like(x, 1.0 + 2 * i)) for i, x in enumerate(xs))
+    return algorithms, exact
+
+
+def test_async_two_step_calls_complete_exactly_in_any_order(pool):
+    for algorithms, exact in pool.run(async_two_steps):
+        assert algorithms == {"two_step"} and exact
