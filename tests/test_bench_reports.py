@@ -1,0 +1,54 @@
+"""The reports of bench/peer_rounds.py and bench/two_step_ab.py, on synthetic
+timings (the runs themselves are benchmarks, not tests)."""
+import importlib.util
+import os
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "bench")
+
+
+def load(name):
+    sys.path.insert(0, BENCH)  # the scripts import bench/stats.py
+    try:
+        spec = importlib.util.spec_from_file_location(f"{name}_bench", os.path.join(BENCH, f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(BENCH)
+
+
+def table_rows(text: str) -> dict:
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and cells[0].endswith("MiB"):
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_peer_rounds_report_takes_the_median_of_per_round_ratios():
+    rounds_mod = load("peer_rounds")
+    mib = 1 << 20
+    # MPICH over mpccs per round: 0.5, 2.0, 0.8 at 1 MiB (median 0.8, one round >= 1.0x);
+    # the libraries' own medians are taken over all rounds separately.
+    rounds = [{"mpccs_us": {mib: 200.0}, "mpi_us": {mib: 100.0}},
+              {"mpccs_us": {mib: 100.0}, "mpi_us": {mib: 200.0}},
+              {"mpccs_us": {mib: 250.0}, "mpi_us": {mib: 200.0}}]
+    text = rounds_mod.report(rounds, {"rounds": 3, "iters": "20", "host": "test", "time": "now"})
+    assert table_rows(text)["1 MiB"] == ["200", "200", "0.80", "0.50-2.00", "1/3"]
+
+
+def test_two_step_ab_reports_speedup_and_share_of_the_floor():
+    ab = load("two_step_ab")
+    n = 12
+    row = {"size": 2 << 20, "algorithm": {"two_step": "two_step", "dag": "ring"},
+           "times_s": {"two_step": [400e-6] * n, "dag": [500e-6] * n, "dag_again": [500e-6] * n,
+                       "by_hand": [300e-6] * n}}
+    s = ab.summarise(row)
+    assert s["speedup"][0] == pytest.approx(1.25) and s["of_floor"][0] == pytest.approx(0.75)
+    assert s["noise_floor"] == pytest.approx(0.0)
+    cells = table_rows("\n".join(ab.report_lines([row], {"mpccs": "x", "iters": n, "block": 5, "host": "test"})))
+    assert cells["2 MiB"][:4] == ["400", "500", "300", "ring"]
