@@ -69,9 +69,10 @@ class TwoStepAllReduce:
         self.min_sample_bytes = min_sample_bytes
         self.step = 0  # 0: waiting for the peer's half; 1: for its reduced half; 2: done
         self.t_step = time.perf_counter()
+        self.theirs_in, self.theirs_out = src[theirs], out[theirs]
         self.recv_rs = plane.recv(self.incoming.view(np.uint8), self.tag_rs)
-        self.recv_ag = plane.recv(out[theirs].view(np.uint8), self.tag_ag)
-        self.send_rs = plane.send(peer, src[theirs].view(np.uint8), self.tag_rs)
+        self.recv_ag = plane.recv(self.theirs_out.view(np.uint8), self.tag_ag)
+        self.send_rs = plane.send(peer, self.theirs_in.view(np.uint8), self.tag_rs)
         self.send_ag = None
         op.bytes_per_plane[plane.name] += self.nbytes_theirs
 
@@ -137,11 +138,13 @@ class TwoStepAllReduce:
                                  peer=self.peer, op=self.op.name, stage=f"two-step {STEPS[min(self.step, 1)]}") from exc
 
     def pending(self) -> list:
-        """(request, buffer) of every request UCX may still hold (a failed operation parks them)."""
-        reqs = [(self.recv_rs, self.incoming), (self.recv_ag, None), (self.send_rs, None), (self.send_ag, None)]
+        """(request, buffer) of every request UCX may still hold: a failed operation
+        parks them, so that no buffer UCX may still read or write is freed first."""
+        reqs = [(self.recv_rs, self.incoming), (self.recv_ag, self.theirs_out), (self.send_rs, self.theirs_in),
+                (self.send_ag, self.mine_out)]
         pending = [(r, b) for r, b in reqs if r is not None and not r.completed]
-        if pending:
-            self.op.engine.forget_two_step_scratch()
+        if not self.recv_rs.completed:
+            self.op.engine.forget_two_step_scratch()  # UCX may still write there: the next call gets its own
         return pending
 
     def describe_stall(self) -> dict:

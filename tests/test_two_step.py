@@ -189,3 +189,27 @@ def async_two_steps(comm):
 def test_async_two_step_calls_complete_exactly_in_any_order(pool):
     for algorithms, exact in pool.run(async_two_steps):
         assert algorithms == {"two_step"} and exact
+
+
+def test_a_failed_two_step_parks_every_buffer_ucx_may_still_touch():
+    # Parked without its buffer, a receive still posted into the caller's output
+    # (or a send still reading its input) could outlive the array it names.
+    from types import SimpleNamespace
+
+    from mpccs.two_step import TwoStepAllReduce
+
+    class Req:
+        def __init__(self, completed):
+            self.completed = completed
+
+    forgotten = []
+    engine = SimpleNamespace(forget_two_step_scratch=lambda: forgotten.append(True))
+    ex = object.__new__(TwoStepAllReduce)
+    ex.op = SimpleNamespace(engine=engine)
+    ex.incoming, ex.theirs_out, ex.theirs_in, ex.mine_out = (np.zeros(4) for _ in range(4))
+    ex.recv_rs, ex.recv_ag, ex.send_rs, ex.send_ag = Req(True), Req(False), Req(False), None
+    parked = ex.pending()
+    assert [b is ex.theirs_out for _, b in parked] == [True, False] and parked[1][1] is ex.theirs_in
+    assert not forgotten  # the engine's receive buffer was written already: the next call may have it
+    ex.recv_rs = Req(False)
+    assert ex.pending()[0][1] is ex.incoming and forgotten  # still being written: the next call gets its own
