@@ -1,6 +1,7 @@
 """The two-step executor against the DAG engine and the floor, 2 ranks.
 
     mpccs-run -n 2 --no-prefix python bench/two_step_ab.py --out bench/results/two_step
+    mpccs-run -n 2 --no-prefix python bench/two_step_ab.py --collective reduce_scatter --out ...
 
 Float32 all_reduce, in place, under the path policy 'up' on the default planes
 (what 'adaptive' runs between probes once 'out' is dropped). Each iteration
@@ -10,7 +11,9 @@ the tuner picks (what a user got before), the DAG again (the A/A noise
 floor), and the same two exchanges written against the planes by hand (the
 floor for any executor: pre-posted receives, no fingerprints, no
 bookkeeping). Per-op time = block time / block length, max across ranks.
-Writes all_reduce_2ranks.json and appends a section to report.md under --out.
+reduce_scatter and all_gather (--collective; size = the call's whole buffer, as
+nbytes in nccl-tests) run its one step: a single exchange of blocks.
+Writes <collective>_2ranks.json and appends a section to report.md under --out.
 """
 from __future__ import annotations
 
@@ -33,11 +36,12 @@ HAND_TAG = wire.make_tag(wire.KIND_P2P, 0xFF, 0, 0)  # a comm id no communicator
 
 
 class ByHand:
-    """The two-step exchanges on the 'up' plane with nothing around them."""
+    """The executor's exchanges on the 'up' plane with nothing around them."""
 
-    def __init__(self, comm, n: int):
+    def __init__(self, comm, collective: str, n: int):
         self.plane = comm._engine.planes["up"]
         self.peer = 1 - comm.rank
+        self.collective = collective
         cut = n // 2
         self.mine, self.theirs = (slice(0, cut), slice(cut, n)) if comm.rank == 0 else (slice(cut, n), slice(0, cut))
         self.tmp = np.empty(n - cut + 1, np.float32)
@@ -46,12 +50,38 @@ class ByHand:
         while not all(r.completed for r in reqs):
             self.plane.progress()
 
-    def __call__(self, x: np.ndarray) -> None:
+    def __call__(self, x: np.ndarray, out: np.ndarray) -> None:
+        """all_reduce: x in place; reduce_scatter: x's own half reduced into out;
+        all_gather: x is this rank's block, out the whole."""
         p, peer, mine, theirs = self.plane, self.peer, self.mine, self.theirs
+        if self.collective == "all_gather":
+            out[mine] = x
+            self._wait([p.recv(out[theirs], HAND_TAG | 2), p.send(peer, x, HAND_TAG | 2)])
+            return
         incoming = self.tmp[:x[mine].size]
         self._wait([p.recv(incoming, HAND_TAG | 1), p.send(peer, x[theirs], HAND_TAG | 1)])
+        if self.collective == "reduce_scatter":
+            np.add(x[mine], incoming, out=out)
+            return
         np.add(x[mine], incoming, out=x[mine])
         self._wait([p.recv(x[theirs], HAND_TAG | 2), p.send(peer, x[mine], HAND_TAG | 2)])
+
+
+def buffers(collective: str, nbytes: int):
+    """(x, out) of a call moving nbytes in all (nccl-tests' size)."""
+    n = nbytes // 4
+    if collective == "all_gather":
+        return np.ones(n // 2, np.float32), np.empty(n, np.float32)
+    if collective == "reduce_scatter":
+        return np.ones(n, np.float32), np.empty(n // 2, np.float32)
+    return np.ones(n, np.float32), None
+
+
+def one_call(comm, collective: str, x, out, algorithm) -> None:
+    if collective == "all_reduce":
+        comm.all_reduce(x, algorithm=algorithm)
+    else:
+        getattr(comm, collective)(x, out, algorithm=algorithm)
 
 
 def time_block(comm, call, block: int) -> float:
@@ -62,12 +92,14 @@ def time_block(comm, call, block: int) -> float:
     return (time.perf_counter() - t0) / block
 
 
-def measure(comm, nbytes: int, iters: int, block: int, warmup: int) -> dict:
-    x = np.ones(nbytes // 4, np.float32)
-    dag_algorithm = comm._choose("all_reduce", nbytes).algorithm
-    by_hand = ByHand(comm, x.size)
-    calls = {"two_step": lambda: comm.all_reduce(x), "dag": lambda: comm.all_reduce(x, algorithm=dag_algorithm),
-             "dag_again": lambda: comm.all_reduce(x, algorithm=dag_algorithm), "by_hand": lambda: by_hand(x)}
+def measure(comm, collective: str, nbytes: int, iters: int, block: int, warmup: int) -> dict:
+    x, out = buffers(collective, nbytes)
+    dag_algorithm = comm._choose(collective, nbytes).algorithm
+    by_hand = ByHand(comm, collective, nbytes // 4)
+    calls = {"two_step": lambda: one_call(comm, collective, x, out, None),
+             "dag": lambda: one_call(comm, collective, x, out, dag_algorithm),
+             "dag_again": lambda: one_call(comm, collective, x, out, dag_algorithm),
+             "by_hand": lambda: by_hand(x, out)}
     times = {mode: [] for mode in MODES}
     for i in range(warmup + iters):
         for mode in (MODES if i % 2 else MODES[::-1]):
@@ -93,7 +125,8 @@ def summarise(row: dict) -> dict:
 
 
 def report_lines(rows: list[dict], meta: dict) -> list[str]:
-    lines = ["## 2 ranks, float32 all_reduce in place, policy 'up', default planes", "",
+    what = "all_reduce in place" if meta.get("collective", "all_reduce") == "all_reduce" else meta["collective"]
+    lines = [f"## 2 ranks, float32 {what}, policy 'up', default planes", "",
              f"mpccs {meta['mpccs']}, {meta['iters']} interleaved iterations of {meta['block']} operations, "
              f"{meta['host']}", "",
              "| size | two-step (us) | DAG (us) | by hand (us) | DAG algorithm | two-step speedup [95% CI] | "
@@ -112,6 +145,7 @@ def report_lines(rows: list[dict], meta: dict) -> list[str]:
 
 def main() -> None:
     ap = ab_parser(__doc__, block=5)
+    ap.add_argument("--collective", choices=("all_reduce", "reduce_scatter", "all_gather"), default="all_reduce")
     args = ap.parse_args()
     comm = mpccs.init()
     if comm.size != 2:
@@ -119,14 +153,15 @@ def main() -> None:
     comm.set_path_policy("up")
     rows = []
     for k, nbytes in enumerate(SIZES):
-        rows.append(measure(comm, nbytes, args.iters, args.block, args.warmup))
+        rows.append(measure(comm, args.collective, nbytes, args.iters, args.block, args.warmup))
         if comm.rank == 0:
             print(f"# progress: {k + 1}/{len(SIZES)} sizes", flush=True)
     if comm.rank == 0:
-        meta = {"mpccs": mpccs.__version__, "iters": args.iters, "block": args.block, "world": comm.size,
+        meta = {"mpccs": mpccs.__version__, "collective": args.collective, "iters": args.iters, "block": args.block,
+                "world": comm.size,
                 "host": f"{os.uname().sysname} {os.uname().release}, {os.cpu_count()} CPUs"}
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "all_reduce_2ranks.json"), "w") as fh:
+        with open(os.path.join(args.out, f"{args.collective}_2ranks.json"), "w") as fh:
             json.dump({"meta": meta, "rows": rows}, fh, indent=1)
         lines = report_lines(rows, meta)
         print("\n".join(lines), flush=True)

@@ -514,14 +514,15 @@ class Communicator:
             return plan.chunk_bytes, False
         return max(plan.chunk_bytes, SINGLE_PLANE_CHUNK_BYTES), True
 
-    def _two_step_call(self, algorithm, nbytes: int) -> bool:
-        """An all_reduce the two-step executor may run (engine.CollectiveOp offers it to
-        the peer, which must offer it too): 2 ranks in one domain, no algorithm asked
-        for (by argument or MPCCS_TUNE), fingerprints on (the offer rides on them), and
-        halves within the buffer the engine keeps for them (two_step.MAX_HALF_BYTES)."""
+    def _two_step_call(self, collective: str, algorithm, block_bytes: int, call_bytes: int) -> bool:
+        """An all_reduce, reduce_scatter or all_gather the two-step executor may run
+        (engine.CollectiveOp offers it to the peer, which must offer it too): 2 ranks in
+        one domain, no algorithm asked for (by argument or MPCCS_TUNE), fingerprints on
+        (the offer rides on them), and blocks (an all_reduce's halves) within the buffer
+        the engine keeps for them (two_step.MAX_HALF_BYTES)."""
         return (self.size == 2 and self.options.two_step and self.options.fingerprint and algorithm is None
-                and len(set(self.domains)) == 1 and nbytes // 2 <= TWO_STEP_MAX_HALF_BYTES
-                and self._tune.match("all_reduce", nbytes) is None)
+                and len(set(self.domains)) == 1 and block_bytes <= TWO_STEP_MAX_HALF_BYTES
+                and self._tune.match(collective, call_bytes) is None)
 
     def _sends_on_up_only(self, protected: bool, epoch: Optional[int], carries: Optional[bool]) -> bool:
         """Every byte this rank sends in the call goes on 'up', which reaches the peer
@@ -643,7 +644,7 @@ class Communicator:
         sched = self._schedule("all_reduce", s.size, s.nbytes, algorithm=algorithm)
         return self._run("all_reduce", sched, {"in": s, "out": r}, s.dtype, op,
                          send if recv is None else recv, async_op, self._avg(op, r),
-                         two_step=self._two_step_call(algorithm, s.nbytes))
+                         two_step=self._two_step_call("all_reduce", algorithm, s.nbytes // 2, s.nbytes))
 
     def reduce_scatter(self, send, recv, op: str = "sum", *, async_op: bool = False, algorithm=None):
         """Rank i receives the reduction of block i (send.size == size * recv.size)."""
@@ -667,7 +668,8 @@ class Communicator:
             return self._run_direct("reduce_scatter", s, r, op, recv, async_op, self._avg(op, r))
         sched = self._schedule("reduce_scatter", r.size, s.nbytes, algorithm=algorithm)
         return self._run("reduce_scatter", sched, {"in": s, "out": r}, s.dtype, op, recv,
-                         async_op, self._avg(op, r))
+                         async_op, self._avg(op, r),
+                         two_step=self._two_step_call("reduce_scatter", algorithm, r.nbytes, s.nbytes))
 
     def all_gather(self, send, recv, *, async_op: bool = False, algorithm=None):
         """Block i of ``recv`` is rank i's ``send`` (recv.size == size * send.size)."""
@@ -683,7 +685,8 @@ class Communicator:
         if self._direct("all_gather", s.size, s.itemsize, algorithm, r.nbytes):
             return self._run_direct("all_gather", s, r, "sum", recv, async_op)
         sched = self._schedule("all_gather", s.size, r.nbytes, algorithm=algorithm)
-        return self._run("all_gather", sched, {"in": s, "out": r}, s.dtype, "sum", recv, async_op)
+        return self._run("all_gather", sched, {"in": s, "out": r}, s.dtype, "sum", recv, async_op,
+                         two_step=self._two_step_call("all_gather", algorithm, s.nbytes, r.nbytes))
 
     def all_to_all(self, send, recv, *, async_op: bool = False, algorithm=None):
         """Block j of ``send`` goes to rank j; block i of ``recv`` came from rank i."""

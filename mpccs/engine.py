@@ -35,7 +35,7 @@ from .health import PlaneHealth
 from .prologue import DeferredCopies
 from .reduce import reduce_into, reduce_to
 from .telemetry import wall
-from .two_step import TwoStepAllReduce
+from .two_step import TwoStepExecutor
 from .windows import (OUT, UP, FlowCursor, Pacer, boundary_for, chunk_count, chunk_range, flow_chunk_elems,
                       flow_min_chunks, missing_ranges)
 
@@ -569,7 +569,7 @@ class CollectiveOp(Operation):
         # an offering rank sends nothing until it has read the peer's offer.
         self.offers_two_step = two_step
         self._peers_two_step: set = set()
-        self.two_step: Optional[TwoStepAllReduce] = None
+        self.two_step: Optional[TwoStepExecutor] = None
         self.snapshot = snapshot
         self.input_unsaved = input_unsaved  # in place, no copy taken: a failure cannot be retried
         self.epoch = epoch  # the controller's shared clock (comm: multipath-eligible adaptive operations)
@@ -880,7 +880,7 @@ class CollectiveOp(Operation):
         and no completion round is due; else the stages, as every rank decides alike."""
         self.offers_two_step = False
         if self._peers_two_step.issuperset(self.others) and not self.protected:
-            self.two_step = TwoStepAllReduce(self, MIN_SAMPLE_BYTES)  # it writes every output element itself
+            self.two_step = TwoStepExecutor(self, MIN_SAMPLE_BYTES)  # it writes every output element itself
         else:
             self._begin_attempt()
 

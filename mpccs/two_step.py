@@ -48,60 +48,78 @@ def halves(n: int, rank: int) -> tuple[slice, slice]:
     return (first, second) if rank == 0 else (second, first)
 
 
-class TwoStepAllReduce:
-    """Drives one 2-rank all_reduce for its CollectiveOp (``op``), whose
-    fingerprints have been checked; advance() until ``done``."""
+class TwoStepExecutor:
+    """Drives one 2-rank collective for its CollectiveOp (``op``), whose
+    fingerprints have been checked; advance() until ``done``.
+
+    all_reduce runs both steps over halves of its buffers; reduce_scatter
+    (blocks of its input) the reduce-scatter step alone, all_gather (blocks of
+    its output) the all-gather step alone: the same messages, one step."""
 
     def __init__(self, op, min_sample_bytes: int):
         self.op = op
         engine = op.engine
         self.peer = peer = op.others[0]
         self.plane = plane = engine.control_plane(peer)
-        src, out = op.buffers["in"], op.buffers["out"]
-        mine, theirs = halves(src.size, op.rank)
-        self.mine_in, self.mine_out = src[mine], out[mine]
-        self.nbytes_mine = self.mine_in.nbytes
-        self.nbytes_theirs = src[theirs].nbytes
-        self.incoming = engine.two_step_scratch(self.nbytes_mine).view(src.dtype)
+        self.steps, geometry = _geometry(op.name, op.buffers["in"], op.buffers["out"], op.rank)
+        # mine_in: this rank's operand of the block it owns; mine_out: where that block's
+        # result goes (and what the all-gather step sends); theirs_in: what the
+        # reduce-scatter step sends; theirs_out: where the peer's block lands.
+        self.mine_in, self.mine_out, self.theirs_in, self.theirs_out = geometry
         seq = op.wire_seq
         self.tag_rs = wire.make_tag(wire.KIND_COLL, engine.comm_id, seq, wire.TWO_STEP_RS_FLOW)
         self.tag_ag = wire.make_tag(wire.KIND_COLL, engine.comm_id, seq, wire.TWO_STEP_AG_FLOW)
         self.min_sample_bytes = min_sample_bytes
-        self.step = 0  # 0: waiting for the peer's half; 1: for its reduced half; 2: done
+        self.step = 0  # index into self.steps; len(self.steps): done
+        self.reduced = False  # the reduce-scatter step's reduction is made (once)
         self.t_step = time.perf_counter()
-        self.theirs_in, self.theirs_out = src[theirs], out[theirs]
-        self.recv_rs = plane.recv(self.incoming.view(np.uint8), self.tag_rs)
-        self.recv_ag = plane.recv(self.theirs_out.view(np.uint8), self.tag_ag)
-        self.send_rs = plane.send(peer, self.theirs_in.view(np.uint8), self.tag_rs)
-        self.send_ag = None
-        op.bytes_per_plane[plane.name] += self.nbytes_theirs
+        self.incoming = self.recv_rs = self.send_rs = self.recv_ag = self.send_ag = None
+        if self.steps[0] == STEPS[0]:
+            self.incoming = engine.two_step_scratch(self.mine_in.nbytes).view(self.mine_in.dtype)
+            self.recv_rs = plane.recv(self.incoming.view(np.uint8), self.tag_rs)
+        if STEPS[1] in self.steps:
+            self.recv_ag = plane.recv(self.theirs_out.view(np.uint8), self.tag_ag)
+        if self.steps[0] == STEPS[0]:
+            self.send_rs = self._send(self.theirs_in, self.tag_rs)
+        else:  # all_gather: this rank's block goes at once
+            if self.mine_out.ctypes.data != self.mine_in.ctypes.data:  # not in place
+                self.mine_out[...] = self.mine_in
+            self.send_ag = self._send(self.mine_in, self.tag_ag)
 
     @property
     def done(self) -> bool:
-        return self.step == 2
+        return self.step == len(self.steps)
 
     def advance(self) -> bool:
-        if self.step == 0:
+        moved = False
+        if self.recv_rs is not None and not self.reduced:
             if not self.recv_rs.completed:
                 return False
             self._check(self.recv_rs)
-            self._note_arrival(self.nbytes_mine)
+            self._note_arrival(self.mine_in.nbytes)
             self._reduce()
-            self.send_ag = self.plane.send(self.peer, self.mine_out.view(np.uint8), self.tag_ag)
-            self.op.bytes_per_plane[self.plane.name] += self.nbytes_mine
-            self._end_step(self.nbytes_theirs)
-            return True
-        if not (self.recv_ag.completed and self.send_rs.completed and self.send_ag.completed):
-            return False
-        for req in (self.recv_ag, self.send_rs, self.send_ag):
+            self.reduced = moved = True
+            if STEPS[1] in self.steps:
+                self.send_ag = self._send(self.mine_out, self.tag_ag)
+                self._end_step(self.theirs_in.nbytes)
+                return True
+        pending = [r for r in (self.send_rs, self.recv_ag, self.send_ag) if r is not None]
+        if not all(r.completed for r in pending):
+            return moved
+        for req in pending:
             self._check(req)
-        self._note_arrival(self.nbytes_theirs)
-        self._end_step(self.nbytes_mine)
+        if self.recv_ag is not None:
+            self._note_arrival(self.theirs_out.nbytes)
+        self._end_step(self.mine_out.nbytes if self.send_ag is not None else self.theirs_in.nbytes)
         self._report_solo()
         return True
 
+    def _send(self, view: np.ndarray, tag: int):
+        self.op.bytes_per_plane[self.plane.name] += view.nbytes
+        return self.plane.send(self.peer, view.view(np.uint8), tag)
+
     def _reduce(self) -> None:
-        """mine_out = in_0 op in_1 over the half this rank owns (rank 0's operand first)."""
+        """mine_out = in_0 op in_1 over the block this rank owns (rank 0's operand first)."""
         left, right = (self.mine_in, self.incoming) if self.op.rank == 0 else (self.incoming, self.mine_in)
         reduce_to(self.mine_out, left, right, self.op.op)
 
@@ -117,14 +135,14 @@ class TwoStepAllReduce:
         a probe of 'out' must beat is what 'up' alone delivers, and that is this."""
         controller = self.op.engine.controller
         if controller is not None and self.op.splitter.policy == "adaptive":
-            steps = self.op.stage_log[-2:]
-            controller.on_solo_stage(self.plane.name, max(self.nbytes_mine, self.nbytes_theirs),
-                                     sum(s["duration_s"] for s in steps) / 2)
+            steps = self.op.stage_log[-len(self.steps):]
+            controller.on_solo_stage(self.plane.name, max(self.mine_out.nbytes, self.theirs_out.nbytes),
+                                     sum(s["duration_s"] for s in steps) / len(steps))
 
     def _end_step(self, sent: int) -> None:
         now = time.perf_counter()
         self.op.stage_log.append({
-            "stage": self.step, "label": STEPS[self.step], "duration_s": now - self.t_step,
+            "stage": self.step, "label": self.steps[self.step], "duration_s": now - self.t_step,
             "t_start_wall": wall(self.t_step), "bytes_per_plane": {self.plane.name: sent}, "split": {},
         })
         self.step += 1
@@ -135,20 +153,40 @@ class TwoStepAllReduce:
             req.check_error()
         except Exception as exc:
             raise TransportError(f"{type(exc).__name__}: {exc}", rank=self.op.rank, plane=self.plane.name,
-                                 peer=self.peer, op=self.op.name, stage=f"two-step {STEPS[min(self.step, 1)]}") from exc
+                                 peer=self.peer, op=self.op.name, stage=f"two-step {self._step_name()}") from exc
 
     def pending(self) -> list:
         """(request, buffer) of every request UCX may still hold: a failed operation
         parks them, so that no buffer UCX may still read or write is freed first."""
         reqs = [(self.recv_rs, self.incoming), (self.recv_ag, self.theirs_out), (self.send_rs, self.theirs_in),
-                (self.send_ag, self.mine_out)]
+                (self.send_ag, self.mine_out if self.steps[0] == STEPS[0] else self.mine_in)]
         pending = [(r, b) for r, b in reqs if r is not None and not r.completed]
-        if not self.recv_rs.completed:
+        if self.recv_rs is not None and not self.recv_rs.completed:
             self.op.engine.forget_two_step_scratch()  # UCX may still write there: the next call gets its own
         return pending
 
+    def _step_name(self) -> str:
+        return self.steps[min(self.step, len(self.steps) - 1)]
+
     def describe_stall(self) -> dict:
-        step = STEPS[min(self.step, 1)]
+        step = self._step_name()
+        waiting = self.recv_rs if step == STEPS[0] else self.recv_ag
         return {"stage": f"two-step {step}", "peer": [self.peer], "plane": self.plane.name,
-                "waiting_for": f"the {step} message of rank {self.peer}" if self.step == 0 or not self.recv_ag.completed
+                "waiting_for": f"the {step} message of rank {self.peer}" if waiting is not None and not waiting.completed
                 else "the peer to take this rank's messages"}
+
+
+def _geometry(collective: str, src: np.ndarray, out: np.ndarray, rank: int):
+    """(steps, (mine_in, mine_out, theirs_in, theirs_out)) of a 2-rank call."""
+    if collective == "all_reduce":
+        mine, theirs = halves(src.size, rank)
+        return STEPS, (src[mine], out[mine], src[theirs], out[theirs])
+    if collective == "reduce_scatter":  # src: two blocks of out.size; this rank's block reduced into out
+        m = out.size
+        mine, theirs = (slice(0, m), slice(m, 2 * m)) if rank == 0 else (slice(m, 2 * m), slice(0, m))
+        return STEPS[:1], (src[mine], out, src[theirs], out[:0])
+    if collective == "all_gather":  # out: two blocks of src.size; this rank's src goes to block rank
+        m = src.size
+        mine, theirs = (slice(0, m), slice(m, 2 * m)) if rank == 0 else (slice(m, 2 * m), slice(0, m))
+        return STEPS[1:], (src, out[mine], src[:0], out[theirs])
+    raise ValueError(f"no two-step executor for {collective}")

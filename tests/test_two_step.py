@@ -138,7 +138,7 @@ def where_it_is_not_offered(comm):
     comm.set_path_policy("up")
     comm.all_reduce(np.ones(9 * MIB, np.float32))  # halves over two_step.MAX_HALF_BYTES
     seen["over the bound"] = comm.last_stats()["algorithm"]
-    comm.reduce_scatter(np.ones(MIB, np.float32), np.empty(MIB // 2, np.float32))
+    comm.broadcast(np.ones(MIB, np.float32), root=0)
     seen["another collective"] = comm.last_stats()["algorithm"]
     return seen
 
@@ -196,7 +196,7 @@ def test_a_failed_two_step_parks_every_buffer_ucx_may_still_touch():
     # (or a send still reading its input) could outlive the array it names.
     from types import SimpleNamespace
 
-    from mpccs.two_step import TwoStepAllReduce
+    from mpccs.two_step import STEPS, TwoStepExecutor
 
     class Req:
         def __init__(self, completed):
@@ -204,8 +204,9 @@ def test_a_failed_two_step_parks_every_buffer_ucx_may_still_touch():
 
     forgotten = []
     engine = SimpleNamespace(forget_two_step_scratch=lambda: forgotten.append(True))
-    ex = object.__new__(TwoStepAllReduce)
+    ex = object.__new__(TwoStepExecutor)
     ex.op = SimpleNamespace(engine=engine)
+    ex.steps = STEPS  # an all_reduce: both steps
     ex.incoming, ex.theirs_out, ex.theirs_in, ex.mine_out = (np.zeros(4) for _ in range(4))
     ex.recv_rs, ex.recv_ag, ex.send_rs, ex.send_ag = Req(True), Req(False), Req(False), None
     parked = ex.pending()
@@ -213,3 +214,46 @@ def test_a_failed_two_step_parks_every_buffer_ucx_may_still_touch():
     assert not forgotten  # the engine's receive buffer was written already: the next call may have it
     ex.recv_rs = Req(False)
     assert ex.pending()[0][1] is ex.incoming and forgotten  # still being written: the next call gets its own
+
+
+# (block bytes, dtype, op, in place): blocks from the direct path's bound (1 MiB) up
+BLOCK_CALLS = [
+    (MIB, "float32", "sum", False),
+    (MIB + 4, "float16", "max", True),
+    (3 * MIB, "int32", "prod", False),
+    (8 * MIB, "float64", "avg", True),
+]
+
+
+def block_calls(comm, policy):
+    """reduce_scatter and all_gather of BLOCK_CALLS under ``policy``: (collective, executor, exact)."""
+    comm.set_path_policy(policy)
+    out = []
+    with readds_off(comm):
+        for nbytes, dtype, op, in_place in BLOCK_CALLS:
+            m = nbytes // dtype_of(dtype).itemsize
+            x = inputs(comm.rank, 2 * m, dtype)
+            expected = reference(2 * m, dtype, op)[comm.rank * m:(comm.rank + 1) * m]
+            got = x[comm.rank * m:(comm.rank + 1) * m] if in_place else np.full(m, 7, x.dtype)
+            comm.reduce_scatter(x, got, op=op)
+            out.append(("reduce_scatter", comm.last_stats()["algorithm"], got.tobytes() == expected.tobytes()))
+            mine = inputs(comm.rank, m, dtype)
+            gathered = np.full(2 * m, 7, mine.dtype)
+            if in_place:
+                gathered[comm.rank * m:(comm.rank + 1) * m] = mine
+                comm.all_gather(gathered[comm.rank * m:(comm.rank + 1) * m], gathered)
+            else:
+                comm.all_gather(mine, gathered)
+            whole = np.concatenate([inputs(0, m, dtype), inputs(1, m, dtype)])
+            out.append(("all_gather", comm.last_stats()["algorithm"], gathered.tobytes() == whole.tobytes()))
+    return out
+
+
+@pytest.mark.parametrize("policy", ["up", "adaptive"])
+def test_reduce_scatter_and_all_gather_blocks_take_one_step_exactly(pool, policy):
+    for per_rank in pool.run(block_calls, policy):
+        assert all(exact for _, _, exact in per_rank), per_rank
+        if policy == "up":
+            assert {algorithm for _, algorithm, _ in per_rank} == {"two_step"}, per_rank
+        else:  # between probes; probes and the calls around them keep the DAG
+            assert any(algorithm == "two_step" for _, algorithm, _ in per_rank), per_rank
