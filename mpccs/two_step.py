@@ -1,4 +1,5 @@
-"""A 2-rank all_reduce as one message each way per step: the two-step executor.
+"""2-rank all_reduce, reduce_scatter and all_gather as one message each way per
+step: the two-step executor (all_reduce takes both steps, the others one).
 
 The DAG engine runs a 2-rank ring as two stages of chunks, with the per-stage
 and per-chunk bookkeeping (cursors, windows, probes, split plans) that
