@@ -16,7 +16,6 @@ Writes <collective>_<p>ranks.json and appends a section to report.md under --out
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -26,7 +25,7 @@ import numpy as np
 import mpccs
 
 sys.path.insert(0, os.path.dirname(__file__))
-from stats import ab_parser, noise_floor, ratio_ci, slowest_rank  # noqa: E402
+from stats import ab_parser, noise_floor, ratio_ci, slowest_rank, write_ab_results  # noqa: E402
 
 SIZES = (8 << 10, 32 << 10, 128 << 10, 512 << 10, 1 << 20, 3 << 19)  # the larger ones go direct on 2 ranks only
 MODES = ("direct", "dag", "dag_again")
@@ -122,13 +121,8 @@ def main() -> None:
         meta = {"mpccs": mpccs.__version__, "collective": args.collective, "iters": args.iters, "block": args.block,
                 "world": comm.size,
                 "host": f"{os.uname().sysname} {os.uname().release}, {os.cpu_count()} CPUs"}
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"{args.collective}_{comm.size}ranks.json"), "w") as fh:
-            json.dump({"meta": meta, "rows": rows}, fh, indent=1)
-        lines = report_lines(comm.size, rows, meta)
-        print("\n".join(lines), flush=True)
-        with open(os.path.join(args.out, "report.md"), "a") as fh:
-            fh.write("\n".join(lines) + "\n")
+        write_ab_results(args.out, f"{args.collective}_{comm.size}ranks.json", meta, rows,
+                         report_lines(comm.size, rows, meta))
     comm.close()
 
 

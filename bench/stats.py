@@ -9,6 +9,8 @@ The reported value is the median ratio with a 95% percentile interval.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 
 import numpy as np
 
@@ -59,3 +61,13 @@ def ab_parser(doc: str, block: int) -> argparse.ArgumentParser:
     ap.add_argument("--block", type=int, default=block, help="operations timed together per iteration")
     ap.add_argument("--warmup", type=int, default=2, help="iterations left out")
     return ap
+
+
+def write_ab_results(out_dir: str, json_name: str, meta: dict, rows: list, lines: list[str]) -> None:
+    """An A/B benchmark's rows as JSON, and its report section printed and appended to report.md."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, json_name), "w") as fh:
+        json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+    print("\n".join(lines), flush=True)
+    with open(os.path.join(out_dir, "report.md"), "a") as fh:
+        fh.write("\n".join(lines) + "\n")

@@ -17,7 +17,6 @@ Writes <collective>_2ranks.json and appends a section to report.md under --out.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -28,7 +27,7 @@ import mpccs
 from mpccs import wire
 
 sys.path.insert(0, os.path.dirname(__file__))
-from stats import ab_parser, noise_floor, ratio_ci, slowest_rank  # noqa: E402
+from stats import ab_parser, noise_floor, ratio_ci, slowest_rank, write_ab_results  # noqa: E402
 
 SIZES = tuple(m << 20 for m in (2, 4, 8, 16))
 MODES = ("two_step", "dag", "dag_again", "by_hand")
@@ -160,13 +159,7 @@ def main() -> None:
         meta = {"mpccs": mpccs.__version__, "collective": args.collective, "iters": args.iters, "block": args.block,
                 "world": comm.size,
                 "host": f"{os.uname().sysname} {os.uname().release}, {os.cpu_count()} CPUs"}
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"{args.collective}_2ranks.json"), "w") as fh:
-            json.dump({"meta": meta, "rows": rows}, fh, indent=1)
-        lines = report_lines(rows, meta)
-        print("\n".join(lines), flush=True)
-        with open(os.path.join(args.out, "report.md"), "a") as fh:
-            fh.write("\n".join(lines) + "\n")
+        write_ab_results(args.out, f"{args.collective}_2ranks.json", meta, rows, report_lines(rows, meta))
     comm.close()
 
 
