@@ -529,9 +529,7 @@ class Communicator:
         and cannot fail: policy 'up', or 'adaptive' below the multipath size, or with
         'out' dropped (the promise CollectiveOp declares). Then the two-step executor,
         which sends on the control plane, changes no plane a byte takes."""
-        up = self._planes.get(UP)
-        if up is None or up.failable or UP in self._engine.health.down \
-                or not all(up.reaches(r) for r in range(self.size) if r != self.rank):
+        if not self._up_reaches_all_unfailing() or UP in self._engine.health.down:
             return False
         if self._policy == UP:
             return not protected
@@ -547,10 +545,15 @@ class Communicator:
         from with no probe due (controller.may_use), 'up' reaches every rank
         and cannot fail itself. False is a promise the operation keeps (it
         sends on 'up' only) and declares to its peers (engine._resolve_protection)."""
-        up = self._planes.get(UP)
-        if up is None or up.failable or not all(up.reaches(r) for r in range(self.size) if r != self.rank):
+        if not self._up_reaches_all_unfailing():
             return True
         return epoch is None or self._engine.controller.may_use(OUT, epoch)
+
+    def _up_reaches_all_unfailing(self) -> bool:
+        """'up' exists, reaches every other rank and cannot fail itself (shared memory):
+        what a rank must know before it promises to send on 'up' alone."""
+        up = self._planes.get(UP)
+        return up is not None and not up.failable and all(up.reaches(r) for r in range(self.size) if r != self.rank)
 
     def _protected(self, nbytes: int, single_plane: bool) -> bool:
         """Whether a call runs under the failover protocol (the same answer on every rank:

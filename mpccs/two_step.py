@@ -44,8 +44,12 @@ MAX_HALF_BYTES = 8 << 20
 
 def halves(n: int, rank: int) -> tuple[slice, slice]:
     """(the half rank owns, the half its peer owns) of n elements."""
-    cut = n // 2
-    first, second = slice(0, cut), slice(cut, n)
+    return _split_at(n // 2, n, rank)
+
+
+def _split_at(cut: int, end: int, rank: int) -> tuple[slice, slice]:
+    """(rank's part, its peer's part) of [0, end) cut at ``cut``: rank 0 owns the first."""
+    first, second = slice(0, cut), slice(cut, end)
     return (first, second) if rank == 0 else (second, first)
 
 
@@ -75,12 +79,14 @@ class TwoStepExecutor:
         self.reduced = False  # the reduce-scatter step's reduction is made (once)
         self.t_step = time.perf_counter()
         self.incoming = self.recv_rs = self.send_rs = self.recv_ag = self.send_ag = None
-        if self.steps[0] == STEPS[0]:
+        reduces = self.steps[0] == STEPS[0]
+        # Receives first, so the peer's messages find them posted.
+        if reduces:
             self.incoming = engine.two_step_scratch(self.mine_in.nbytes).view(self.mine_in.dtype)
             self.recv_rs = plane.recv(self.incoming.view(np.uint8), self.tag_rs)
         if STEPS[1] in self.steps:
             self.recv_ag = plane.recv(self.theirs_out.view(np.uint8), self.tag_ag)
-        if self.steps[0] == STEPS[0]:
+        if reduces:
             self.send_rs = self._send(self.theirs_in, self.tag_rs)
         else:  # all_gather: this rank's block goes at once
             if self.mine_out.ctypes.data != self.mine_in.ctypes.data:  # not in place
@@ -183,11 +189,9 @@ def _geometry(collective: str, src: np.ndarray, out: np.ndarray, rank: int):
         mine, theirs = halves(src.size, rank)
         return STEPS, (src[mine], out[mine], src[theirs], out[theirs])
     if collective == "reduce_scatter":  # src: two blocks of out.size; this rank's block reduced into out
-        m = out.size
-        mine, theirs = (slice(0, m), slice(m, 2 * m)) if rank == 0 else (slice(m, 2 * m), slice(0, m))
+        mine, theirs = _split_at(out.size, src.size, rank)
         return STEPS[:1], (src[mine], out, src[theirs], out[:0])
     if collective == "all_gather":  # out: two blocks of src.size; this rank's src goes to block rank
-        m = src.size
-        mine, theirs = (slice(0, m), slice(m, 2 * m)) if rank == 0 else (slice(m, 2 * m), slice(0, m))
+        mine, theirs = _split_at(src.size, out.size, rank)
         return STEPS[1:], (src, out[mine], src[:0], out[theirs])
     raise ValueError(f"no two-step executor for {collective}")
