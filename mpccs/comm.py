@@ -96,7 +96,8 @@ class Communicator:
         self._send_seq: dict[int, int] = {}
         self._recv_seq: dict[int, int] = {}
         self._last_stats = None  # a dict, or a light Operation whose dict is built when asked
-        self._schedules: OrderedDict = OrderedDict()
+        self._plans: OrderedDict = OrderedDict()  # _schedule's answers by its arguments
+        self._direct_answers: dict = {}  # _direct's answers under the current path policy
         self.hosts, self.domains = self._exchange_identity(boot, options)
         self.domain = self.domains[self.rank]
         self.local_rank = boot.local_rank if boot.local_rank is not None else self._derive_local_rank()
@@ -218,6 +219,7 @@ class Communicator:
         if OUT not in self._planes and len(set(self.domains)) > 1:
             raise ConfigError("plane 'out' is disabled but ranks span several domains: nothing would reach them")
         self._policy = policy
+        self._direct_answers.clear()  # they depend on the policy
 
     def last_stats(self) -> Optional[dict]:
         """Record of the operation completed last (see Work.stats)."""
@@ -417,23 +419,29 @@ class Communicator:
 
     # -- collectives ---------------------------------------------------------
     def _schedule(self, collective: str, count: int, nbytes: int, root=None, algorithm=None, **extra) -> "CallPlan":
-        """The schedule and plan of one call: MPCCS_TUNE, else the tuner (deterministic: the same on every rank)."""
+        """The schedule and plan of one call: MPCCS_TUNE, else the tuner (deterministic: the same on every rank).
+        Kept by the call's arguments (256 kept): a repeated call finds its plan in one
+        dict lookup (the tuner's choice and the key's assembly cost ~7 us a call cold)."""
+        key = (collective, count, nbytes, root, algorithm, tuple(sorted((k, _hashable(v)) for k, v in extra.items()))
+               if extra else ())
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._make_plan(collective, count, nbytes, root, algorithm, extra)
+            if len(self._plans) > 256:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        return plan
+
+    def _make_plan(self, collective: str, count: int, nbytes: int, root, algorithm, extra: dict) -> "CallPlan":
         choice = self._choose(collective, nbytes)
         algorithm = algorithm or choice.algorithm
         if algorithm not in algorithms.ALGORITHMS[collective]:
             raise ValueError(f"unknown algorithm {algorithm!r} for {collective}; "
                              f"valid: {', '.join(algorithms.ALGORITHMS[collective])}")
         channels = choice.channels if algorithm == choice.algorithm else 1
-        key = (collective, count, algorithm, channels, root, tuple(sorted((k, _hashable(v)) for k, v in extra.items())))
-        schedule = self._schedules.get(key)
-        if schedule is None:
-            schedule = algorithms.build_schedule(collective, self.size, count, algorithm=algorithm,
-                                                 topology=self.topology, channels=channels, root=root or 0, **extra)
-            self._schedules[key] = schedule
-            if len(self._schedules) > 256:
-                self._schedules.popitem(last=False)
-        else:
-            self._schedules.move_to_end(key)
+        schedule = algorithms.build_schedule(collective, self.size, count, algorithm=algorithm,
+                                             topology=self.topology, channels=channels, root=root or 0, **extra)
         return CallPlan(schedule, self.options.chunk_bytes or choice.chunk_bytes, choice.split_policy == "single")
 
     @functools.lru_cache(maxsize=1024)
@@ -458,11 +466,14 @@ class Communicator:
         if self._policy == "adaptive" and self._multipath_eligible(nbytes, plan.single_plane):
             self._epoch += 1  # the same count on every rank: the controller's shared clock
             epoch = self._epoch
-        settled = epoch is not None and self._engine.controller.settled(epoch, nbytes)
+        controller = self._engine.controller
+        # Whether 'out' may carry bytes of this operation anywhere: asked once (it feeds
+        # settled, the failable-plane promise and the estimates export; ~3 us a question).
+        out_usable = epoch is None or controller.may_use(OUT, epoch)
+        settled = not out_usable and controller.settled(epoch, nbytes, out_usable=False)
         splitter = self._splitter(single_plane=plan.single_plane, settled=settled)
-        carries = self._may_carry_failable(epoch) if protected and self._policy == "adaptive" else None
-        one_plane = (settled or carries is False
-                     or (epoch is not None and self._engine.controller.sends_on_one_plane(epoch)))
+        carries = self._may_carry_failable(out_usable) if protected and self._policy == "adaptive" else None
+        one_plane = settled or carries is False or (epoch is not None and controller.sends_on_one_plane(epoch))
         chunk_bytes, whole_flows = self._chunking_for(plan, one_plane)
         fp = None
         if self.options.fingerprint:
@@ -539,15 +550,13 @@ class Communicator:
         """An adaptive call the controller may split (deterministic: the same on every rank)."""
         return not single_plane and nbytes >= self._engine.controller.config.min_multipath_bytes
 
-    def _may_carry_failable(self, epoch: Optional[int]) -> bool:
+    def _may_carry_failable(self, out_usable: bool) -> bool:
         """Whether this rank may put bytes of an adaptive operation on a failable
         plane: False only when 'out' is dropped here and at every rank we heard
-        from with no probe due (controller.may_use), 'up' reaches every rank
-        and cannot fail itself. False is a promise the operation keeps (it
+        from with no probe due (``out_usable``: controller.may_use), 'up' reaches
+        every rank and cannot fail itself. False is a promise the operation keeps (it
         sends on 'up' only) and declares to its peers (engine._resolve_protection)."""
-        if not self._up_reaches_all_unfailing():
-            return True
-        return epoch is None or self._engine.controller.may_use(OUT, epoch)
+        return out_usable or not self._up_reaches_all_unfailing()
 
     def _up_reaches_all_unfailing(self) -> bool:
         """'up' exists, reaches every other rank and cannot fail itself (shared memory):
@@ -581,7 +590,19 @@ class Communicator:
         but all_to_allv always, unless an algorithm is asked for (by argument or
         MPCCS_TUNE); medium ones where the DAG would run them on the control
         plane alone. count x itemsize: the bytes a rank sends each peer;
-        call_bytes: what the tuner sizes the call by."""
+        call_bytes: what the tuner sizes the call by. The answer depends on the
+        configuration, the path policy and the call only: kept per call until the
+        policy changes (the medium test plans the call: ~15 us cold at 2 MiB)."""
+        key = (collective, count, itemsize, algorithm, call_bytes, root)
+        answer = self._direct_answers.get(key)
+        if answer is None:
+            if len(self._direct_answers) > 1024:
+                self._direct_answers.clear()
+            answer = self._direct_answers[key] = self._decide_direct(collective, count, itemsize, algorithm,
+                                                                     call_bytes, root)
+        return answer
+
+    def _decide_direct(self, collective: str, count: int, itemsize: int, algorithm, call_bytes: int, root) -> bool:
         if algorithm is not None or not 1 < self.size <= DIRECT_MAX_RANKS \
                 or self._tune.match(collective, call_bytes) is not None:
             return False

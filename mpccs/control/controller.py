@@ -962,7 +962,8 @@ class PathController:
                 return True
         return False
 
-    def settled(self, epoch: Optional[int], nbytes: Optional[int] = None) -> bool:
+    def settled(self, epoch: Optional[int], nbytes: Optional[int] = None,
+                out_usable: Optional[bool] = None) -> bool:
         """Nothing to decide at operation ``epoch``: 'out' may not be used in it
         (may_use) nor in the next one, so this is no probe, no check and not the
         operation before a probe (whose planned stages refresh the solo record
@@ -972,8 +973,12 @@ class PathController:
         their planning: it costs nothing next to them, and their feedback keeps
         the solo record a probe is judged against fresh (without it the testbed
         all_to_all judged its probes against stale records and never took
-        'out' back)."""
-        if epoch is None or self.may_use("out", epoch) or self.may_use("out", epoch + 1):
+        'out' back). ``out_usable``: may_use("out", epoch), where the caller asked already."""
+        if epoch is None:
+            return False
+        if out_usable is None:
+            out_usable = self.may_use("out", epoch)
+        if out_usable or self.may_use("out", epoch + 1):
             return False
         if nbytes is None:
             return True
@@ -981,14 +986,15 @@ class PathController:
         return rate > 0 and nbytes / rate < SETTLED_MAX_S
 
     # ------------------------------------------------------------ estimates I/O
-    def export_estimates(self, now: Optional[float] = None, epoch: Optional[int] = None) -> bytes:
+    def export_estimates(self, now: Optional[float] = None, epoch: Optional[int] = None,
+                         out_usable: Optional[bool] = None) -> bytes:
         """This rank's measured estimates, to piggyback on its chunks (14 B per path).
 
         The entries of the previous export are reused (EXPORT_REUSE_CALLS)
         only for an operation ``epoch`` in which 'out' may not carry bytes
         (may_use): there every stage goes on 'up' whatever the numbers say,
         while a rank that splits decides from what it exports and needs them
-        fresh."""
+        fresh. ``out_usable``: may_use("out", epoch), where the caller asked already."""
         st = self._states.get(self.rank)
         flags = 0
         for i, plane in enumerate(PLANES):
@@ -1008,7 +1014,7 @@ class PathController:
         regime = (cached[2] if cached is not None and cached[4] == samples
                   else self.estimator.local_regime_changes(self.rank))
         if (cached is not None and cached[1:3] == (flags, regime) and cached[6] == grid_byte
-                and epoch is not None and not self.may_use("out", epoch)
+                and epoch is not None and not (self.may_use("out", epoch) if out_usable is None else out_usable)
                 and (self._exports - cached[0] < EXPORT_REUSE_CALLS
                      or self._unchanged_since(cached, now))):
             return cached[3]
