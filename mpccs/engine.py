@@ -647,13 +647,15 @@ class CollectiveOp(Operation):
         self._fp_blob_cap = 0
         offer = DECLARES_TWO_STEP if self.offers_two_step else 0
         if controller is not None and self.splitter.name == "adaptive":
-            blob = controller.export_estimates(time.perf_counter(), self.epoch)
+            # A promise to send on 'up' only is made where 'out' may not be used (comm._run).
+            blob = controller.export_estimates(time.perf_counter(), self.epoch,
+                                               False if self.carries_failable is False else None)
             declared = (DECLARES_SAFE if self.carries_failable is False else DECLARES_CARRY) | offer
             # One bytes join (numpy's concatenate of three arrays cost ~4 us here).
             payload = np.frombuffer(bytearray(self.fingerprint.raw + bytes((declared,)) + blob), dtype=np.uint8)
             self._fp_blob_cap = controller.blob_capacity(self.schedule.world - 1)
         elif offer:
-            payload = np.frombuffer(bytearray(self.fingerprint.raw + bytes((offer,))), dtype=np.uint8)
+            payload = self.fingerprint.with_declaration(offer)
         self._fp_payload = payload
         for peer in self.fp_peers:
             tag = wire.make_tag(wire.KIND_CTRL, cid, self.wire_seq, me, wire.CTRL_FINGERPRINT)

@@ -46,6 +46,19 @@ class Fingerprint:
         """The encoded words as bytes, to compare a received fingerprint without decoding it."""
         return self._words.tobytes()
 
+    def with_declaration(self, declared: int) -> np.ndarray:
+        """The fingerprint message with one declaration byte after the words
+        (engine.DECLARES_*), built once per byte value: sends only read it."""
+        payload = self._with_declarations.get(declared)
+        if payload is None:
+            payload = np.frombuffer(bytearray(self.raw + bytes((declared,))), dtype=np.uint8)
+            self._with_declarations[declared] = payload
+        return payload
+
+    @functools.cached_property
+    def _with_declarations(self) -> dict:
+        return {}
+
     @functools.cached_property
     def _words(self) -> np.ndarray:
         word0 = (
