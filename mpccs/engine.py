@@ -582,9 +582,7 @@ class CollectiveOp(Operation):
         self.name = name
         self.fingerprint = fingerprint  # mpccs.fingerprint.Fingerprint, or None (checks off)
         self.schedule = schedule
-        self.buffers = buffers  # "in"/"out" -> typed 1-D arrays; "work" is allocated here
-        if schedule.work_count and "work" not in buffers:
-            self.buffers = {**buffers, "work": np.empty(schedule.work_count, dtype=dtype)}
+        self.buffers = buffers  # "in"/"out" -> typed 1-D arrays; "work" is allocated with the stages
         self.dtype = np.dtype(dtype)
         self.op = op
         self.splitter = splitter
@@ -619,6 +617,10 @@ class CollectiveOp(Operation):
 
     def _begin_attempt(self) -> None:
         """Fresh per-attempt state; the inputs are intact here (first run or restored)."""
+        if self.schedule.work_count and "work" not in self.buffers:
+            # Here, not at construction: a two-step operation never needs it (a 2-rank
+            # reduce_scatter's is twice its output: 2 MiB of mapping per call at 1 MiB).
+            self.buffers = {**self.buffers, "work": np.empty(self.schedule.work_count, dtype=self.dtype)}
         local = local_plan(self.schedule, self.rank)
         self.active: list[StageRun] = []
         self.out_chunks: list = []  # (req, outflow, plane, nbytes, t_post, stagerun)
