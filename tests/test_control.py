@@ -793,6 +793,8 @@ def test_settled_only_between_probe_epochs_when_every_rank_dropped_out():
     near_probe = {e for g in (0, FIRST_PROBE_AFTER, grid, 2 * grid) for e in (g - 1, g, g + 1, g + 2)}
     for e in range(1, 2 * grid + 2):
         assert ctl.settled(e) == (e not in near_probe), e
+        # The communicator asks may_use once and passes the answer on: the same verdict.
+        assert ctl.settled(e, out_usable=ctl.may_use("out", e)) == (e not in near_probe), e
     assert not ctl.settled(None)
     # Only short operations skip planning: a long one's feedback keeps the solo record fresh.
     from mpccs.control.controller import SETTLED_MAX_S
