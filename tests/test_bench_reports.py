@@ -1,4 +1,4 @@
-"""The reports of bench/peer_rounds.py and bench/two_step_ab.py, on synthetic
+"""The reports of bench/peer_rounds.py, bench/two_step_ab.py and bench/setup_timeline.py, on synthetic
 timings (the runs themselves are benchmarks, not tests)."""
 import importlib.util
 import os
@@ -52,3 +52,39 @@ def test_two_step_ab_reports_speedup_and_share_of_the_floor():
     assert s["noise_floor"] == pytest.approx(0.0)
     cells = table_rows("\n".join(ab.report_lines([row], {"mpccs": "x", "iters": n, "block": 5, "host": "test"})))
     assert cells["2 MiB"][:4] == ["400", "500", "300", "ring"]
+
+
+def test_setup_timeline_report_lists_each_point_for_both_ranks_in_call_order():
+    timeline = load("setup_timeline")
+    marks = {"plan found, operation set-up starts": 14.0, "reduction done": 290.0}
+
+    def rank(shift):
+        row = {"marks_us": {k: v + shift for k, v in marks.items()}, "total_us": 450.0 + shift,
+               "unmarked_us": 470.0 + shift, "algorithm": "two_step"}
+        return {"up": row, "adaptive": dict(row), "by_hand": {"unmarked_us": 330.0 + shift}}
+
+    lines = timeline.report([rank(0.0), rank(2.5)], {"size": 2 << 20, "mpccs": "t", "ops": 10, "host": "h"})
+    text = "\n".join(lines)
+    assert "| plan found, operation set-up starts | 14.0 | 16.5 |" in text
+    assert text.index("plan found") < text.index("reduction done")
+    assert "| unmarked operation | 470.0 | 472.5 |" in text
+    assert "## `adaptive` (two_step)" in text and "330.0 / 332.5 us" in text
+
+
+def test_setup_timeline_keeps_the_first_occurrence_of_each_mark(monkeypatch):
+    """A mark met twice in one operation (a method called again) counts where it was first met."""
+    timeline = load("setup_timeline")
+    clock = iter([100.0, 100.0005] * 5)  # each call: starts at 100 s, returns 500 us later
+    monkeypatch.setattr(timeline.time, "perf_counter", lambda: next(clock))
+
+    class Comm:
+        def barrier(self):
+            pass
+
+    def call():
+        timeline._marks.extend([("a", 100.00001), ("b", 100.00002), ("a", 100.00003)])
+
+    out = timeline.timeline(Comm(), call, lambda: None, ops=4, warmup=1)
+    assert list(out["marks_us"]) == ["a", "b"]
+    assert out["marks_us"]["a"] == pytest.approx(10.0) and out["marks_us"]["b"] == pytest.approx(20.0)
+    assert out["total_us"] == pytest.approx(500.0)
