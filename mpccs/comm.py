@@ -498,7 +498,7 @@ class Communicator:
         cop = CollectiveOp(self._engine, self._next_seq(), schedule, buffers, dtype, op, splitter,
                            chunk_bytes, name, finalize, fp, protected=protected, snapshot=snapshot,
                            input_unsaved=unsaved, epoch=epoch, carries_failable=carries, whole_flows=whole_flows,
-                           resume_in_place=resume, two_step=two_step)
+                           resume_in_place=resume, two_step=two_step, settled=settled)
         return self._submit(cop, result, async_op)
 
     def _chunking_for(self, plan: "CallPlan", sends_on_one_plane: bool) -> tuple[int, bool]:

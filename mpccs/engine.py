@@ -544,7 +544,7 @@ class CollectiveOp(Operation):
                  fingerprint=None, protected: bool = False, snapshot: Optional[np.ndarray] = None,
                  input_unsaved: bool = False, epoch: Optional[int] = None,
                  carries_failable: Optional[bool] = None, whole_flows: bool = False,
-                 resume_in_place: bool = False, two_step: bool = False):
+                 resume_in_place: bool = False, two_step: bool = False, settled: bool = False):
         super().__init__(engine, seq)
         # Failover (docs/reliability.md): a protected operation completes only
         # once every rank has all its data (the DONE round), so no rank has
@@ -573,6 +573,7 @@ class CollectiveOp(Operation):
         self.snapshot = snapshot
         self.input_unsaved = input_unsaved  # in place, no copy taken: a failure cannot be retried
         self.epoch = epoch  # the controller's shared clock (comm: multipath-eligible adaptive operations)
+        self.settled = settled  # 'adaptive' with nothing to decide (controller.settled): no estimates sent
         self.attempt = 0
         self.wire_seq = wire.attempt_seq(seq, 0)
         self.phase = "run"  # run -> (finish) -> done; quiesce -> run on a plane failure
@@ -641,7 +642,10 @@ class CollectiveOp(Operation):
         Under 'adaptive' the message also carries this rank's path estimates
         (the controller's export, 14 bytes per path it measured): piggybacked on
         a message every operation sends anyway, one operation behind, so every
-        rank decides from the same numbers without an extra round trip.
+        rank decides from the same numbers without an extra round trip. A
+        settled operation sends its declaration without them: nothing decides
+        from estimates until an operation around the next probe, and those are
+        never settled, so they export afresh (controller.note_settled_operation).
         """
         engine, cid, me = self.engine, self.engine.comm_id, self.rank
         payload = self.fingerprint.encode().view(np.uint8)
@@ -649,13 +653,17 @@ class CollectiveOp(Operation):
         self._fp_blob_cap = 0
         offer = DECLARES_TWO_STEP if self.offers_two_step else 0
         if controller is not None and self.splitter.name == "adaptive":
-            # A promise to send on 'up' only is made where 'out' may not be used (comm._run).
-            blob = controller.export_estimates(time.perf_counter(), self.epoch,
-                                               False if self.carries_failable is False else None)
             declared = (DECLARES_SAFE if self.carries_failable is False else DECLARES_CARRY) | offer
-            # One bytes join (numpy's concatenate of three arrays cost ~4 us here).
-            payload = np.frombuffer(bytearray(self.fingerprint.raw + bytes((declared,)) + blob), dtype=np.uint8)
-            self._fp_blob_cap = controller.blob_capacity(self.schedule.world - 1)
+            if self.settled:
+                controller.note_settled_operation()
+                payload = self.fingerprint.with_declaration(declared)
+            else:
+                # A promise to send on 'up' only is made where 'out' may not be used (comm._run).
+                blob = controller.export_estimates(time.perf_counter(), self.epoch,
+                                                   False if self.carries_failable is False else None)
+                # One bytes join (numpy's concatenate of three arrays cost ~4 us here).
+                payload = np.frombuffer(bytearray(self.fingerprint.raw + bytes((declared,)) + blob), dtype=np.uint8)
+            self._fp_blob_cap = controller.blob_capacity(self.schedule.world - 1)  # what peers may send
         elif offer:
             payload = self.fingerprint.with_declaration(offer)
         self._fp_payload = payload
@@ -730,12 +738,11 @@ class CollectiveOp(Operation):
 
     def _merge_estimates(self, peer: int, buf: np.ndarray) -> None:
         controller = self.engine.controller
-        blob = bytes(buf)
-        n = controller.blob_length(blob)
+        n = controller.blob_length(buf)  # the header, read in place: most messages carry no blob
         if n == 0:
-            return  # the peer runs another policy this operation: nothing to merge
+            return  # the peer runs another policy, or is settled, this operation: nothing to merge
         try:
-            controller.merge_estimates(peer, blob[:n])
+            controller.merge_estimates(peer, bytes(buf[:n]))
         except ValueError as exc:
             raise ProtocolError(f"malformed path estimates: {exc}", rank=self.rank, peer=peer, op=self.name) from None
 

@@ -6,6 +6,7 @@ per-chunk rate noise uniform in +-10 %.
 import json
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -765,6 +766,39 @@ def test_export_reuses_recent_entries_until_a_rate_steps_or_flags_change():
     for _ in range(3 * EXPORT_REUSE_CALLS):
         assert ctl.export_estimates(t + 0.5, epoch) is fresh
     assert ctl.export_estimates(t + cfg.filter_max_age_s + 0.1, epoch) is not fresh
+
+
+def test_settled_operations_send_no_estimates_and_the_next_export_after_them_is_fresh():
+    """A settled operation exports nothing (engine.CollectiveOp), but counts as an
+    export: after EXPORT_REUSE_CALLS of them the next export rebuilds its entries
+    (from the samples that arrived meanwhile) where it would have reused them."""
+    from mpccs.control.controller import EXPORT_REUSE_CALLS
+    cfg = ControlConfig(start_on_one_plane=True)
+    epoch = cfg.probe_every + 7  # off the probe grid: 'out' carries nothing
+
+    def exported_then_sampled():
+        ctl = PathController(cfg, rank=0)
+        ctl.merge_estimates(1, PathController(cfg, rank=1).export_estimates(0.0))
+        t = 0.0
+        for _ in range(8):
+            t += (1 << 20) / 8e9
+            ctl.estimator.observe(0, "up", 1, 1 << 20, 0.0, t)
+        ctl.export_estimates(t, epoch - 1)
+        first = ctl.export_estimates(t, epoch)
+        ctl.estimator.observe(0, "up", 1, 1 << 20, t, t + (1 << 20) / 9e9)  # a sample since
+        return ctl, first, t
+
+    busy, first, t = exported_then_sampled()
+    assert busy.export_estimates(t, epoch) is first  # a call later: reused
+    settled, first, t = exported_then_sampled()
+    for _ in range(EXPORT_REUSE_CALLS):
+        settled.note_settled_operation()
+    assert settled.export_estimates(t, epoch) is not first  # rebuilt
+    # A merge reads the header in place: a fingerprint row without a blob holds none.
+    row = np.zeros(64, np.uint8)
+    assert settled.blob_length(row) == 0
+    row[:len(first)] = np.frombuffer(first, np.uint8)
+    assert settled.blob_length(row) == settled.blob_length(first) == len(first)
 
 
 def test_settled_only_between_probe_epochs_when_every_rank_dropped_out():
