@@ -951,7 +951,7 @@ class PathController:
         # of two). A grid that doubled reaches the peers an operation later;
         # until then they test the finer one, which only plans one operation
         # more. Asked up to four times per operation: plain loops.
-        grid = math.gcd(_probe_grid(st, self.config.probe_every), self._remote_grid_gcd)
+        grid = self._finest_probe_grid(st)
         for e in (epoch, epoch - 1, epoch - 2):
             if e % grid == 0 or e == FIRST_PROBE_AFTER:
                 return True
@@ -961,6 +961,10 @@ class PathController:
             if plane not in dropped:
                 return True
         return False
+
+    def _finest_probe_grid(self, st: "_RankState") -> int:
+        """The greatest common divisor of every rank's probe grid (see may_use)."""
+        return math.gcd(_probe_grid(st, self.config.probe_every), self._remote_grid_gcd)
 
     def settled(self, epoch: Optional[int], nbytes: Optional[int] = None,
                 out_usable: Optional[bool] = None) -> bool:
@@ -978,7 +982,12 @@ class PathController:
             return False
         if out_usable is None:
             out_usable = self.may_use("out", epoch)
-        if out_usable or self.may_use("out", epoch + 1):
+        if out_usable:
+            return False
+        # may_use("out", epoch + 1), given it is False at epoch: only a probe at epoch + 1
+        # can change the answer (the epochs before it and every other test are the same).
+        nxt = epoch + 1
+        if nxt % self._finest_probe_grid(self._states[self.rank]) == 0 or nxt == FIRST_PROBE_AFTER:
             return False
         if nbytes is None:
             return True
