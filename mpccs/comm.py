@@ -203,6 +203,13 @@ class Communicator:
     def path_policy(self):
         return self._policy
 
+    @property
+    def adaptive_epoch(self) -> int:
+        """Operations run under 'adaptive' at a size the controller may split, so
+        far: the controller's shared clock (the same count on every rank), which
+        places its probes (docs/controller.md)."""
+        return self._epoch
+
     def set_path_policy(self, policy) -> None:
         """'up', 'out', 'adaptive', or a fixed fraction of bytes on 'up'."""
         policy = parse_policy(policy)

@@ -8,7 +8,10 @@ and the median over -n iterations is reported. With --compare the policies
 (up, out, 0.8, adaptive) run interleaved iteration by iteration, in a shuffled
 order per iteration, so drift on a noisy machine and the wake of the previous
 operation hit them alike, and ratio columns compare each with 'up'.
-busbw uses nccl-tests' factors; see docs/benchmarks.md.
+busbw uses nccl-tests' factors; see docs/benchmarks.md. --settle N runs the
+'adaptive' controller's start-up (its first probes, at its 4th, 16th and 32nd
+operations) before the sweep instead of inside its first points, and reports
+what that start-up cost against the same operations under 'up'.
 """
 from __future__ import annotations
 
@@ -226,6 +229,32 @@ def measure(comm, case: Case, policies, iters: int, warmup: int):
     return {p: slowest(comm, times[p]) for p in policies}, shares, last
 
 
+def settle(comm, make_case, size_list, ops: int):
+    """Run the controller's start-up before the sweep: ``ops`` operations under
+    'adaptive' at the first swept size where its clock advances (where it may
+    split), then as many under 'up', each series timed whole (the slowest rank).
+    None when no swept size is one the controller splits."""
+    for nbytes in size_list:
+        case = make_case(nbytes)
+        before = comm.adaptive_epoch
+        timed(comm, case, "adaptive")
+        if comm.adaptive_epoch > before:
+            break
+    else:
+        return None
+    spent = {}
+    for policy in ("adaptive", "up"):
+        comm.set_path_policy(policy)
+        comm.barrier()
+        t0 = time.perf_counter()
+        for _ in range(ops - 1):  # 'adaptive': the operation that found the size was the first
+            case.run()
+            case.sync()
+        spent[policy] = float(slowest(comm, [time.perf_counter() - t0])[0])
+    return {"size": case.nbytes, "ops": ops, "adaptive_s": spent["adaptive"], "up_s": spent["up"],
+            "epoch": comm.adaptive_epoch}
+
+
 class Repeat(str):
     """A policy listed again (an A/A control): runs as ``base``, labelled apart."""
 
@@ -269,6 +298,9 @@ def main(argv=None) -> int:
                     help="comma list of policies run interleaved, e.g. up,up,adaptive (a repeat is an A/A control)")
     ap.add_argument("--in-place", action="store_true", help="in-place variant (all_reduce)")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
+    ap.add_argument("--settle", type=int, default=0, metavar="N",
+                    help="run N 'adaptive' operations (the controller's start-up probes) before the sweep, "
+                         "and report them against N under 'up'")
     ap.add_argument("--memory", choices=("host", "device"), default="host",
                     help="buffers in host memory (numpy) or GPU memory (cupy; needs a GPU)")
     ns = ap.parse_args(argv)
@@ -297,8 +329,17 @@ def main(argv=None) -> int:
     size_list = sizes(parse_size(ns.minbytes), parse_size(ns.maxbytes), ns.stepfactor)
     if comm.rank == 0:
         print(header(comm, ns, policies), flush=True)
+
+    def make_case(nbytes):
+        return Case(comm, ns.collective, nbytes, dtype, ns.op, ns.root, ns.in_place, ns.memory)
+
+    settled = None
+    if ns.settle > 0 and "adaptive" in policies:
+        settled = settle(comm, make_case, size_list, ns.settle)
+        if comm.rank == 0:
+            print(settle_line(settled, ns.settle), flush=True)
     for index, nbytes in enumerate(size_list):
-        case = Case(comm, ns.collective, nbytes, dtype, ns.op, ns.root, ns.in_place, ns.memory)
+        case = make_case(nbytes)
         times, shares, last = measure(comm, case, policies, ns.iters, ns.warmup_iters)
         wrong = case.wrong() if ns.check else 0
         wrong_total = np.array([wrong], dtype=np.int64)
@@ -315,7 +356,8 @@ def main(argv=None) -> int:
         footer(rows, policies)
         if ns.json:
             with open(ns.json, "w") as fh:
-                json.dump({"meta": environment(comm, ns), "rows": rows}, fh, indent=1, default=str)
+                json.dump({"meta": {**environment(comm, ns), "settle": settled}, "rows": rows}, fh, indent=1,
+                          default=str)
     wrong_any = any(r["wrong"] for r in rows)
     comm.close()
     return 1 if wrong_any else 0
@@ -368,6 +410,14 @@ def print_rows(new_rows, policies, all_rows, compare: bool) -> None:
         if compare and base is not None and r["time_us"] > 0:
             line += f"  {base['time_us'] / r['time_us']:5.2f}"
         print(line, flush=True)
+
+
+def settle_line(settled, ops: int) -> str:
+    if settled is None:
+        return f"# settle: no swept size is one the controller splits; {ops} operations not run"
+    a, u = settled["adaptive_s"], settled["up_s"]
+    return (f"# settle: {settled['ops']} operations of {settled['size']} B before the sweep (the controller's start-up): "
+            f"'adaptive' {1e3 * a:.1f} ms, 'up' {1e3 * u:.1f} ms ({a / u if u > 0 else float('nan'):.2f}x)")
 
 
 def footer(rows, policies) -> None:

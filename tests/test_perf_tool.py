@@ -39,6 +39,30 @@ def test_table_json_and_no_wrong_elements(tmp_path, collective):
         assert row["collective"] == collective and row["wrong"] == 0 and len(row["times_us"]) == 3
 
 
+@pytest.mark.parametrize("max_size, settles", [("2M", True), ("64K", False)])
+def test_settle_runs_the_controllers_start_up_before_the_sweep(tmp_path, max_size, settles):
+    """--settle N: N 'adaptive' operations at the first swept size the controller may
+    split (2 MiB here), timed against N under 'up' and reported apart; where no swept
+    size is one it splits, nothing runs and the report says so."""
+    out = tmp_path / "s.json"
+    p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "2", "--no-prefix", os.path.join(BIN, "mpccs-perf"),
+                        "all_reduce", "-b", "64K", "-e", max_size, "-f", "32", "-n", "2", "-w", "0",
+                        "--policies", "up,adaptive", "--settle", "20", "-J", str(out)],
+                       env=clean_env(), capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stdout + p.stderr
+    line = next(x for x in p.stdout.splitlines() if x.startswith("# settle:"))
+    settle = json.loads(out.read_text())["meta"]["settle"]
+    if not settles:
+        assert "no swept size" in line and settle is None
+        return
+    assert settle["size"] == 2 << 20 and settle["ops"] == 20 and settle["epoch"] >= 20
+    assert settle["adaptive_s"] > 0 and settle["up_s"] > 0
+    assert "20 operations of 2097152 B" in line
+    rows = json.loads(out.read_text())["rows"]  # the sweep itself is unchanged: every size, both policies
+    assert sorted((r["size"], r["policy"]) for r in rows) == [(64 << 10, "adaptive"), (64 << 10, "up"),
+                                                               (2 << 20, "adaptive"), (2 << 20, "up")]
+
+
 def test_check_counts_wrong_elements_against_a_reference():
     from mpccs.perf import Case
 
