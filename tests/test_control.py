@@ -318,6 +318,35 @@ def test_harmful_second_plane_dropped_then_reprobed_back():
     assert abs(out_share(d, flows) - target) <= 0.05
 
 
+@pytest.mark.parametrize("nbytes, backed_off_to", [(1 * MiB, 8 * 32), (64 * MiB, 8 * 4)])
+def test_failed_probes_of_short_stages_back_off_until_probe_spacing_s_apart(nbytes, backed_off_to):
+    """Harmful probes double the interval up to probe_every * probe_backoff_max (32
+    here); where a stage is short (1 MiB: 0.16 ms alone on 'up') they keep doubling
+    until probes are probe_spacing_s apart, here 0.05 s / 0.16 ms = ~300 stages: 256,
+    a power-of-two multiple of probe_every like every grid. A 64 MiB stage (10 ms)
+    stays at 32."""
+    cfg = ControlConfig(probe_every=8, probe_backoff_max=4, probe_spacing_s=0.05)
+    drv = make(up=(6.4e9, 14e-6), out=(0.8e9, 29e-6), cfg=cfg, interference={"up": 0.4, "out": 0.5})
+    flows = one_flow(n=nbytes)
+    intervals = []
+    for _ in range(700):
+        drv.step(flows)
+        intervals.append(drv.controller.snapshot()["ranks"]["0"]["probe_interval"])
+    assert max(intervals) == backed_off_to and intervals[-1] == backed_off_to
+    assert drv.controller.snapshot()["ranks"]["0"]["readds"] == 0  # 'out' never paid
+
+
+def test_probe_spacing_off_keeps_the_operation_count_cap():
+    cfg = ControlConfig(probe_every=8, probe_backoff_max=4, probe_spacing_s=0.0)
+    drv = make(up=(6.4e9, 14e-6), out=(0.8e9, 29e-6), cfg=cfg, interference={"up": 0.4, "out": 0.5})
+    flows = one_flow(n=1 * MiB)
+    for _ in range(400):
+        drv.step(flows)
+    assert drv.controller.snapshot()["ranks"]["0"]["probe_interval"] == 8 * 4
+    with pytest.raises(ValueError, match="probe_spacing_s"):
+        ControlConfig(probe_spacing_s=-1.0)
+
+
 def test_congested_out_moves_share_to_up():
     drv = make()
     flows = one_flow()

@@ -75,7 +75,12 @@ class ControlConfig:
     # where the planes share a CPU or a link, the second plane never costs more
     # than its probes. The communicator sets it; the pure default stays off.
     start_on_one_plane: bool = False
-    probe_backoff_max: int = 8     # failed probes double the interval up to probe_every * this
+    probe_backoff_max: int = 8     # failed probes double the interval up to probe_every * this ...
+    # ... or, where stages are short, until probes are this far apart in time
+    # (at most probe_every * SHORT_BACKOFF_MAX operations): a probe costs a few
+    # operations, and at 2 MiB on the default planes one in 128 was most of what
+    # a settled adaptive loop paid over 'up'. 0 turns it off.
+    probe_spacing_s: float = 0.25
     probe_share: float = 0.34      # largest share a probe puts on the dropped plane (the model share, up to this)
     # Joint stages must beat one plane alone by this much, or the plane is
     # dropped: equal times mean fewer bytes belong on the shared network, and
@@ -120,6 +125,8 @@ class ControlConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.probe_backoff_max > 255:
             raise ValueError("probe_backoff_max must be <= 255 (it travels in one byte)")
+        if self.probe_spacing_s < 0:
+            raise ValueError("probe_spacing_s must be >= 0")
         if self.coflow_slack < 0:
             raise ValueError("coflow_slack must be >= 0")
         if self.window_gain <= 0:
@@ -161,6 +168,7 @@ JOINT_STAGES_KEPT = 5
 JOINT_STAGES_TO_DROP = 3
 SOLO_OVER_DELIVERY_MAX = 1.2  # a solo record's rate: at most this times the plane's delivery rate (_record_solo)
 UNUSED_STAGES_BEFORE_DROP = 4  # see PathController._note_unused
+SHORT_BACKOFF_MAX = 32  # probe_spacing_s backs probes off to at most probe_every * this operations (one byte)
 FIRST_PROBE_AFTER = 4  # decisions (epochs) before the first probe of a plane that starts dropped: the median of 3 solo stages is the reference, not a cold first one
 
 
@@ -866,7 +874,7 @@ class PathController:
             return
         if t_solo is not None and duration > t_solo * (1 + cfg.harm_margin):
             # Still harmful: probe less often.
-            st.probe_interval = min(st.probe_interval * 2, cfg.probe_every * cfg.probe_backoff_max)
+            st.probe_interval = min(st.probe_interval * 2, self._backoff_cap(t_solo))
         elif not st.confirming:
             # Neither a gain nor harm: repeat it once, in the next operation.
             # One stage decides a probe, and one in ten came out ~15 ms slow
@@ -879,6 +887,19 @@ class PathController:
             st.next_probe_k = k + 1
             return
         st.next_probe_k = k + st.probe_interval
+
+    def _backoff_cap(self, stage_s: float) -> int:
+        """The longest probe interval: probe_every * probe_backoff_max, or where the
+        probed stage is short, the interval at which its probes are probe_spacing_s
+        apart (stages of stage_s each), up to probe_every * SHORT_BACKOFF_MAX. Kept a
+        power-of-two multiple of probe_every, as every grid is (may_use's gcd)."""
+        cfg = self.config
+        cap = cfg.probe_every * cfg.probe_backoff_max
+        if cfg.probe_spacing_s > 0 and stage_s > 0:
+            spaced = min(cfg.probe_spacing_s / stage_s, cfg.probe_every * SHORT_BACKOFF_MAX)
+            while cap * 2 <= spaced:
+                cap *= 2
+        return cap
 
     def _note_event(self, event: dict) -> None:
         if self._epoch is not None:
