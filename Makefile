@@ -18,7 +18,7 @@ install: $(STAMP)
 # Main job: a local multi-rank benchmark on the default planes (up = shared
 # memory, out = tcp), every path policy side by side, per-plane bandwidth.
 bench: $(STAMP)
-	$(VENV)/bin/mpccs-run -n $(NRANKS) $(VENV)/bin/mpccs-perf all_reduce -b 1K -e 64M -f 4 -n 10 -w 3 --compare
+	$(VENV)/bin/mpccs-run -n $(NRANKS) $(VENV)/bin/mpccs-perf all_reduce -b 1K -e 64M -f 4 -n 10 -w 3 --compare --settle 40
 
 # The test suite (CI runs exactly this).
 test: $(STAMP)
