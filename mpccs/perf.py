@@ -230,10 +230,11 @@ def measure(comm, case: Case, policies, iters: int, warmup: int):
 
 
 def settle(comm, make_case, size_list, ops: int):
-    """Run the controller's start-up before the sweep: ``ops`` operations under
-    'adaptive' at the first swept size where its clock advances (where it may
-    split), then as many under 'up', each series timed whole (the slowest rank).
-    None when no swept size is one the controller splits."""
+    """Run the controller's start-up before the sweep: at the first swept size
+    where its clock advances (one operation there finds it: a size it may
+    split), ``ops`` operations under 'adaptive', then as many under 'up', each
+    series timed whole (the slowest rank). None when no swept size is one the
+    controller splits."""
     for nbytes in size_list:
         case = make_case(nbytes)
         before = comm.adaptive_epoch
@@ -247,7 +248,7 @@ def settle(comm, make_case, size_list, ops: int):
         comm.set_path_policy(policy)
         comm.barrier()
         t0 = time.perf_counter()
-        for _ in range(ops - 1):  # 'adaptive': the operation that found the size was the first
+        for _ in range(ops):
             case.run()
             case.sync()
         spent[policy] = float(slowest(comm, [time.perf_counter() - t0])[0])
