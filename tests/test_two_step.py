@@ -272,3 +272,41 @@ def test_the_offer_rides_after_the_fingerprint_words_in_one_kept_message():
     other = fp.with_declaration(engine.DECLARES_SAFE | engine.DECLARES_TWO_STEP)
     assert other is not offer and int(other[engine.FP_BYTES]) == engine.DECLARES_SAFE | engine.DECLARES_TWO_STEP
     assert fingerprint.Fingerprint.decode(offer[:engine.FP_BYTES].view(np.uint64)) == fp
+
+
+def exports_with_one_rank_planning(comm, planning_rank: int, n_ops: int = 40):
+    """Adaptive 2 MiB calls where ``planning_rank`` never counts a call as settled
+    (it plans and exports every time) and its peer does as usual: (estimate
+    exports, settled calls, every result exact) at this rank."""
+    comm.set_path_policy("adaptive")
+    ctl = comm._engine.controller
+    counts = {"export_estimates": 0, "note_settled_operation": 0}
+    for name in counts:
+        def counted(*args, _name=name, _method=getattr(ctl, name), **kwargs):
+            counts[_name] += 1
+            return _method(*args, **kwargs)
+        setattr(ctl, name, counted)  # instance attributes: removed below
+    if comm.rank == planning_rank:
+        ctl.settled = lambda *args, **kwargs: False
+    exact = []
+    try:
+        with readds_off(comm):
+            n = MIB // 2
+            for _ in range(n_ops):
+                x = inputs(comm.rank, n, "float32")
+                comm.all_reduce(x)
+                exact.append(x.tobytes() == reference(n, "float32", "sum").tobytes())
+    finally:
+        for name in (*counts, "settled"):
+            ctl.__dict__.pop(name, None)
+    return counts["export_estimates"], counts["note_settled_operation"], all(exact)
+
+
+def test_settled_calls_send_no_estimates_and_mix_with_a_peer_that_plans(pool):
+    """A settled call's fingerprint message carries no estimates (note_settled_operation
+    instead of an export); a peer that plans the same calls (a check of its own, say)
+    merges nothing from it and both stay exact."""
+    (exports0, settled0, exact0), (exports1, settled1, exact1) = pool.run(exports_with_one_rank_planning, 1)
+    assert exact0 and exact1
+    assert settled1 == 0 and exports1 == 40  # the planning rank exports every call
+    assert settled0 > 20 and exports0 + settled0 == 40  # the other mostly settled: each call one or the other
