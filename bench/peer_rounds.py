@@ -10,9 +10,11 @@ minute to the next (MPICH's 4 MiB all_reduce: 430 us to 2 ms). One run of
 each compares two moments as much as two libraries. Here they alternate:
 each round runs `mpccs-perf` then `bench/peers.py mpi` (or the other way
 round, alternately) over the same sizes, back to back, and the round's ratio
-is MPICH's median time over mpccs's. The report gives, per size, the median
-of the rounds' ratios with their range and the share of rounds at >= 1.0x,
-next to each library's median time. Writes rounds.json and report.md.
+is MPICH's median time over mpccs's (mpccs-perf runs the controller's start-up
+before its sweep, --settle 40, as every sweep does: docs/benchmarks.md, Method).
+The report gives, per size, the median of the rounds' ratios with their range
+and the share of rounds at >= 1.0x, next to each library's median time. Writes
+rounds.json and report.md.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ def times_us(path: str) -> dict[int, float]:
 
 def one_round(k: int, lo: str, hi: str, iters: str, tmp: str) -> dict:
     perf = [f"{BIN}/mpccs-run", "-n", "2", "--no-prefix", f"{BIN}/mpccs-perf", "all_reduce", "-b", lo, "-e", hi,
-            "-f", "2", "-n", iters, "-w", "5", "--quiet", "-J", f"{tmp}/perf{k}.json"]
+            "-f", "2", "-n", iters, "-w", "5", "--settle", "40", "--quiet", "-J", f"{tmp}/perf{k}.json"]
     mpi = [f"{BIN}/mpiexec", "-n", "2", sys.executable, "bench/peers.py", "mpi", "-b", lo, "-e", hi, "-f", "2",
            "-n", iters, "-w", "5", "-J", f"{tmp}/mpi{k}.json"]
     for cmd in ((perf, mpi) if k % 2 == 0 else (mpi, perf)):
@@ -53,7 +55,8 @@ def report(rounds: list[dict], meta: dict) -> str:
     sizes = sorted(rounds[0]["mpccs_us"])
     lines = ["# mpccs ('adaptive', as shipped) against MPICH, alternating rounds", "",
              f"{meta['rounds']} rounds, 2 ranks, default planes, float32 all_reduce, {meta['iters']} iterations per "
-             f"point; {meta['host']}; measured {meta['time']}.", "",
+             f"point (mpccs: the controller's start-up before the sweep, `--settle 40`); {meta['host']}; measured "
+             f"{meta['time']}.", "",
              "Per round: MPICH's median time / mpccs's (> 1: mpccs faster). Per size: the median of the rounds' "
              "ratios, their range, the rounds at >= 1.0x, and each library's median time over all rounds.", "",
              "| size | mpccs (us) | MPICH (us) | ratio, median of rounds | range | rounds >= 1.0x |",
