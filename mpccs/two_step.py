@@ -132,7 +132,10 @@ class TwoStepExecutor:
 
     def _note_arrival(self, nbytes: int) -> None:
         """What arrived from the peer in this step, as a delivery sample (adaptive only,
-        like the DAG's): keeps the controller's estimate of 'up' current."""
+        like the DAG's): keeps the controller's estimate of 'up' current. Only
+        operations the controller plans report (splitter policy 'adaptive'); a settled
+        one runs as 'up' (comm._splitter), and the operation before each probe, which
+        is never settled, refreshes what the probe is judged against."""
         controller = self.op.engine.controller
         if controller is not None and self.op.splitter.policy == "adaptive" and nbytes >= self.min_sample_bytes:
             controller.on_delivery(self.plane.name, self.peer, nbytes, self.t_step, time.perf_counter())
