@@ -600,6 +600,8 @@ class Communicator:
         call_bytes: what the tuner sizes the call by. The answer depends on the
         configuration, the path policy and the call only: kept per call until the
         policy changes (the medium test plans the call: ~15 us cold at 2 MiB)."""
+        if count * itemsize <= DIRECT_MAX_BYTES:
+            return self._decide_direct(collective, count, itemsize, algorithm, call_bytes, root)  # no planning
         key = (collective, count, itemsize, algorithm, call_bytes, root)
         answer = self._direct_answers.get(key)
         if answer is None:
