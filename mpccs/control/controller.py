@@ -974,7 +974,7 @@ class PathController:
         # more. Asked up to four times per operation: plain loops.
         grid = self._finest_probe_grid(st)
         for e in (epoch, epoch - 1, epoch - 2):
-            if e % grid == 0 or e == FIRST_PROBE_AFTER:
+            if _may_probe_at(e, grid):
                 return True
         if not self._remote_dropped:
             return True
@@ -1007,8 +1007,7 @@ class PathController:
             return False
         # may_use("out", epoch + 1), given it is False at epoch: only a probe at epoch + 1
         # can change the answer (the epochs before it and every other test are the same).
-        nxt = epoch + 1
-        if nxt % self._finest_probe_grid(self._states[self.rank]) == 0 or nxt == FIRST_PROBE_AFTER:
+        if _may_probe_at(epoch + 1, self._finest_probe_grid(self._states[self.rank])):
             return False
         if nbytes is None:
             return True
@@ -1173,6 +1172,11 @@ class PathController:
 
 
 # ---------------------------------------------------------------------- helpers
+def _may_probe_at(epoch: int, grid: int) -> bool:
+    """Some rank may probe at ``epoch``: a multiple of the finest probe grid, or the first probe."""
+    return epoch % grid == 0 or epoch == FIRST_PROBE_AFTER
+
+
 def _probe_grid(st: _RankState, probe_every: int) -> int:
     """See PathController.probe_grid."""
     return st.probe_interval if st.probes and st.probe_interval else probe_every
