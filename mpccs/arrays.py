@@ -27,7 +27,7 @@ def check_array(arr, name: str, *, writable: bool = False) -> np.ndarray:
         raise ValueError(f"{name} must be C-contiguous (use np.ascontiguousarray)")
     if writable and not arr.flags.writeable:
         raise ValueError(f"{name} is read-only but receives data")
-    return arr.reshape(-1)
+    return arr if arr.ndim == 1 else arr.reshape(-1)
 
 
 def check_bytes(arr, name: str, *, writable: bool = False) -> np.ndarray:

@@ -290,7 +290,7 @@ class Communicator:
         self._engine.submit(op)
         if async_op:
             return Work(self, op, result)
-        self._wait(op, None)
+        self._wait_usable(op, None)  # nothing since the caller's check can have closed or aborted it
         return result
 
     def _record(self, op: Operation) -> None:
@@ -318,6 +318,9 @@ class Communicator:
 
     def _wait(self, op: Operation, timeout: Optional[float]) -> None:
         self._check_usable()
+        self._wait_usable(op, timeout)
+
+    def _wait_usable(self, op: Operation, timeout: Optional[float]) -> None:
         try:
             self._engine.wait(op, self.options.timeout_s if timeout is None else timeout)
         except TransportError as exc:
@@ -634,8 +637,7 @@ class Communicator:
                 or plan.schedule.max_stage_send() * itemsize < self._engine.controller.config.min_multipath_bytes)
 
     def _run_direct(self, name, send, out, op, result, async_op, finalize=None, root=None):
-        self._check_usable()
-        fp = None
+        fp = None  # (every caller checked that the communicator is usable)
         if self.options.fingerprint:
             fp = fingerprint.make(name, op, send.dtype, "direct", root, 0, send.size)
         # Always the control plane (scale-up where it reaches): both ends must

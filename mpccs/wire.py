@@ -59,6 +59,11 @@ def mid_bits(mid: int) -> int:
     return (mid & (MAX_FLOWS - 1)) << 20
 
 
+def seq_bits(seq: int) -> int:
+    """The sequence field of a tag alone: make_tag(k, c, 0, m, l) | seq_bits(s) == make_tag(k, c, s, m, l)."""
+    return (seq % SEQ_MOD) << 40
+
+
 def make_tag(kind: int, comm: int, seq: int, mid: int, low: int = 0) -> int:
     return (kind << 62) | ((comm & 0xFF) << 54) | ((seq % SEQ_MOD) << 40) | mid_bits(mid) | (low & LOW_MASK)
 

@@ -429,6 +429,40 @@ def test_small_async_all_reduces_of_one_size_keep_their_own_buffers(pools):
         assert counted == 9 and algorithm == "direct"
 
 
+def reused_buffers_alternating_ops(comm):
+    """Small direct calls of one size share pooled buffers that keep the
+    fingerprint they last sent (written again only when it differs): ops,
+    dtypes and roots alternating over one buffer size still compute right."""
+    me, p = comm.rank, comm.size
+    got = []
+    for i in range(12):
+        x = np.array([me + i, -me], np.float32)
+        op = ("sum", "max", "min")[i % 3]
+        comm.all_reduce(x, op=op)
+        got.append(x.tolist())
+        y = np.array([me + i], np.int64)  # 8 bytes again: the same buffer size, another dtype
+        comm.all_reduce(y, op=op)
+        got.append(y.tolist())
+        z = np.array([me, i], np.float32)
+        comm.broadcast(z, root=i % p)
+        got.append(z.tolist())
+    return got
+
+
+def test_pooled_direct_buffers_follow_each_calls_fingerprint(pools):
+    for world in ("2", "3"):
+        p = int(world)
+        expected = []
+        for i in range(12):
+            ranks = range(p)
+            fold = (sum, max, min)[i % 3]
+            expected.append([float(fold(r + i for r in ranks)), float(fold(-r for r in ranks))])
+            expected.append([fold(r + i for r in ranks)])
+            expected.append([float(i % p), float(i)])
+        for got in pools(world).run(reused_buffers_alternating_ops):
+            assert got == expected
+
+
 def all_to_allv_case(comm, seed):
     n, rank = comm.size, comm.rank
     rng = np.random.default_rng(seed)

@@ -39,6 +39,10 @@ def mismatched(comm, kind):
         elif kind == "two_step_size":  # both offer the two-step executor: it waits for the fingerprints
             comm.set_path_policy("up")
             comm.all_reduce(np.ones((1 << 19) + 2 * r, np.float32))
+        elif kind == "op_after_warm":  # pooled buffers sent 'sum' fingerprints many times before
+            for _ in range(20):
+                comm.all_reduce(np.ones(2, np.float32))
+            comm.all_reduce(np.ones(2, np.float32), op="sum" if r == 0 else "max")
         elif kind == "collective":
             if r == 0:
                 comm.all_reduce(x)
@@ -67,7 +71,7 @@ def _run_timed(fn, *args):
 
 @pytest.mark.parametrize("kind", ["size", "dtype", "op", "root", "collective", "policy", "medium_size",
                                   "medium_vs_dag", "medium_policy", "gather_vs_dag", "a2a_size",
-                                  "two_step_size"])
+                                  "two_step_size", "op_after_warm"])
 def test_mismatched_calls_raise_on_every_rank(kind):
     results, elapsed = _run_timed(mismatched, kind)
     for rank, result in enumerate(results):
