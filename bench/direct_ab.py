@@ -112,7 +112,7 @@ def main() -> None:
     rows = []
     for k, nbytes in enumerate(SIZES):
         one_call(comm, args.collective, *buffers(comm, args.collective, nbytes), None)
-        if comm.last_stats()["algorithm"] != "direct":
+        if not comm.last_stats()["algorithm"].startswith("direct"):
             break  # past the direct path's bound for this world
         rows.append(measure(comm, args.collective, nbytes, args.iters, args.block, args.warmup))
         if comm.rank == 0:

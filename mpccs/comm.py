@@ -17,7 +17,8 @@ from . import algorithms, fingerprint
 from .algorithms import Topology, resumable_in_place
 from .bootstrap import Bootstrap, hostname, rendezvous
 from .config import DEFAULT_UP_TLS_CPU, Options, load_options, parse_policy
-from .engine import (DIRECT_MAX_BYTES, DIRECT_MEDIUM_BUDGET, CollectiveOp, DirectAllGatherOp, DirectAllReduceOp,
+from .engine import (DIRECT_HALVES_MIN_BYTES, DIRECT_MAX_BYTES, DIRECT_MEDIUM_BUDGET, CollectiveOp, DirectAllGatherOp,
+                     DirectAllReduceOp, DirectHalvesAllReduceOp,
                      DirectAllToAllOp, DirectBroadcastOp, DirectReduceOp, DirectReduceScatterOp,
                      Engine, Operation, RecvOp, SendOp, Splitter)
 from .errors import CommunicatorAborted, ConfigError, MismatchError, MpccsError, TransportError
@@ -637,13 +638,15 @@ class Communicator:
                 or plan.schedule.max_stage_send() * itemsize < self._engine.controller.config.min_multipath_bytes)
 
     def _run_direct(self, name, send, out, op, result, async_op, finalize=None, root=None):
-        fp = None  # (every caller checked that the communicator is usable)
-        if self.options.fingerprint:
-            fp = fingerprint.make(name, op, send.dtype, "direct", root, 0, send.size)
         # Always the control plane (scale-up where it reaches): both ends must
         # agree on the plane without a round trip, and plane state (a plane
         # down, rejoining) may differ between ranks for a moment.
         kind = DIRECT_OPS.get(name, DirectAllReduceOp)  # all_reduce and barrier: DirectAllReduceOp
+        if name == "all_reduce" and self.size == 2 and send.nbytes >= DIRECT_HALVES_MIN_BYTES:
+            kind = DirectHalvesAllReduceOp
+        fp = None  # (every caller checked that the communicator is usable)
+        if self.options.fingerprint:
+            fp = fingerprint.make(name, op, send.dtype, kind.algorithm, root, 0, send.size)
         extra = {} if root is None else {"root": root}
         dop = kind(self._engine, self._next_seq(), send, out, op, self.size, fp, finalize, name, **extra)
         return self._submit(dop, result, async_op)

@@ -387,7 +387,7 @@ def header(comm, ns, policies) -> str:
     from .transports.ucx import ucx_version
 
     planes = ", ".join(f"{name}={plane.tls}@{plane.devices or 'all'}" for name, plane in comm._planes.items())
-    cols = "#       size      count      type   redop    root   policy  algorithm      time     algbw     busbw  #wrong   up%"
+    cols = "#       size      count      type   redop    root   policy  algorithm         time     algbw     busbw  #wrong   up%"
     if ns.compare:
         cols += "  x_up"
     return "\n".join([
@@ -397,7 +397,7 @@ def header(comm, ns, policies) -> str:
         f"# policies: {', '.join(policy_label(p) for p in policies)}",
         "#",
         cols,
-        "#                                                                         (us)    (GB/s)    (GB/s)",
+        "#                                                                            (us)    (GB/s)    (GB/s)",
     ])
 
 
@@ -406,7 +406,7 @@ def print_rows(new_rows, policies, all_rows, compare: bool) -> None:
     for r in new_rows:
         share = "   -" if r["up_share"] is None else f"{100 * r['up_share']:5.1f}"
         line = (f"{r['size']:12d} {r['count']:10d} {r['type']:>9s} {r['redop']:>7s} {r['root']:7d} "
-                f"{r['policy']:>8s}  {str(r['algorithm']):<10s} {r['time_us']:9.1f} {r['algbw']:9.3f} "
+                f"{r['policy']:>8s}  {str(r['algorithm']):<13s} {r['time_us']:9.1f} {r['algbw']:9.3f} "
                 f"{r['busbw']:9.3f} {r['wrong']:7d} {share}")
         if compare and base is not None and r["time_us"] > 0:
             line += f"  {base['time_us'] / r['time_us']:5.2f}"

@@ -24,7 +24,7 @@ def table_rows(text: str) -> dict:
     rows = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("| ") and cells[0].endswith("MiB"):
+        if line.startswith("| ") and cells[0].endswith(("MiB", "KiB")):
             rows[cells[0]] = cells[1:]
     return rows
 
@@ -52,6 +52,15 @@ def test_two_step_ab_reports_speedup_and_share_of_the_floor():
     assert s["noise_floor"] == pytest.approx(0.0)
     cells = table_rows("\n".join(ab.report_lines([row], {"mpccs": "x", "iters": n, "block": 5, "host": "test"})))
     assert cells["2 MiB"][:4] == ["400", "500", "300", "ring"]
+
+
+def test_halves_ab_reports_the_full_exchange_over_the_halves():
+    ab = load("halves_ab")
+    n = 12
+    row = {"size": 1 << 20, "algorithm": {"full": "direct", "halves": "direct_halves", "full_again": "direct"},
+           "times_s": {"full": [300e-6] * n, "halves": [250e-6] * n, "full_again": [300e-6] * n}}
+    cells = table_rows("\n".join(ab.report_lines([row], {"mpccs": "x", "iters": n, "block": 10, "host": "test"})))
+    assert cells["1024 KiB"] == ["300", "250", "1.20 [1.20, 1.20]", "0.00"]
 
 
 def test_setup_timeline_report_lists_each_point_for_both_ranks_in_call_order():

@@ -39,6 +39,10 @@ def mismatched(comm, kind):
         elif kind == "two_step_size":  # both offer the two-step executor: it waits for the fingerprints
             comm.set_path_policy("up")
             comm.all_reduce(np.ones((1 << 19) + 2 * r, np.float32))
+        elif kind == "halves_size":  # both direct halves (2 ranks, >= 640 KiB): unequal halves, larger messages
+            comm.all_reduce(np.ones((256 << 10) + 2 * r, np.float32))
+        elif kind == "halves_vs_full":  # 600 KiB as one full exchange against 700 KiB as two of halves
+            comm.all_reduce(np.ones((600 << 8) if r == 0 else (700 << 8), np.float32))
         elif kind == "op_after_warm":  # pooled buffers sent 'sum' fingerprints many times before
             for _ in range(20):
                 comm.all_reduce(np.ones(2, np.float32))
@@ -71,7 +75,7 @@ def _run_timed(fn, *args):
 
 @pytest.mark.parametrize("kind", ["size", "dtype", "op", "root", "collective", "policy", "medium_size",
                                   "medium_vs_dag", "medium_policy", "gather_vs_dag", "a2a_size",
-                                  "two_step_size", "op_after_warm"])
+                                  "two_step_size", "op_after_warm", "halves_size", "halves_vs_full"])
 def test_mismatched_calls_raise_on_every_rank(kind):
     results, elapsed = _run_timed(mismatched, kind)
     for rank, result in enumerate(results):
@@ -81,7 +85,7 @@ def test_mismatched_calls_raise_on_every_rank(kind):
         assert after == "aborted"
         if kind == "policy":  # a DONE round one rank skips used to wait out the no-progress timeout
             assert "failover protection" in message, message
-        if kind.startswith("medium") or kind in ("gather_vs_dag", "a2a_size", "two_step_size"):  # the fingerprint, looked at before the payload: never a truncated receive
+        if kind.startswith(("medium", "halves")) or kind in ("gather_vs_dag", "a2a_size", "two_step_size"):  # the fingerprint, looked at before the payload: never a truncated receive
             assert name == "MismatchError", message
             assert ("same path policy" if kind == "medium_policy" else "count") in message, message
     assert elapsed < 15, f"mismatch took {elapsed:.1f} s to surface (a timeout, not detection)"

@@ -1,0 +1,93 @@
+"""The direct path's two exchanges of halves against its one full exchange, 2 ranks.
+
+    mpccs-run -n 2 --no-prefix python bench/halves_ab.py --out bench/results/direct_halves
+
+Float32 all_reduce, out of place, policy 'up' on the default planes (what
+'adaptive' runs too below the size it would split). Each iteration times a
+block of back-to-back operations three ways, interleaved: the full exchange
+(DirectAllReduceOp: every rank sends its whole input and reduces all of it),
+the exchanges of halves (DirectHalvesAllReduceOp: half the reduction, one more
+message each way), and the full exchange again (the A/A noise floor). The
+path is switched by the size from which comm takes halves
+(DIRECT_HALVES_MIN_BYTES), set per mode. Per-op time = block time / block
+length, max across ranks. Writes all_reduce_2ranks.json and appends a
+section to report.md under --out.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+
+import mpccs
+import mpccs.comm as comm_module
+from mpccs.engine import DIRECT_MAX_BYTES
+
+sys.path.insert(0, os.path.dirname(__file__))
+from stats import ab_parser, noise_floor, ratio_ci, slowest_rank, write_ab_results  # noqa: E402
+
+SIZES = tuple(k << 10 for k in (256, 384, 512, 768, 1024, 1536, 2000))  # all under the direct path's bound
+MODES = ("full", "halves", "full_again")
+HALVES_FROM = {"full": 1 << 62, "halves": DIRECT_MAX_BYTES + 1, "full_again": 1 << 62}
+
+
+def time_block(comm, x: np.ndarray, out: np.ndarray, mode: str, block: int) -> float:
+    comm_module.DIRECT_HALVES_MIN_BYTES = HALVES_FROM[mode]
+    comm.all_reduce(x, out)
+    comm.barrier()
+    t0 = time.perf_counter()
+    for _ in range(block):
+        comm.all_reduce(x, out)
+    return (time.perf_counter() - t0) / block
+
+
+def measure(comm, nbytes: int, iters: int, block: int, warmup: int) -> dict:
+    x, out = np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32)
+    times = {mode: [] for mode in MODES}
+    path = {}
+    for i in range(warmup + iters):
+        for mode in MODES:
+            t = time_block(comm, x, out, mode, block)
+            path[mode] = comm.last_stats()["algorithm"]
+            if i >= warmup:
+                times[mode].append(t)
+    return {"size": nbytes, "algorithm": path, "times_s": slowest_rank(comm, times)}
+
+
+def report_lines(rows: list[dict], meta: dict) -> list[str]:
+    lines = ["## 2 ranks, float32 all_reduce, policy 'up', default planes", "",
+             f"mpccs {meta['mpccs']}, {meta['iters']} interleaved iterations of {meta['block']} operations, "
+             f"{meta['host']}", "",
+             "| size | full (us) | halves (us) | halves speedup [95% CI] | A/A floor |",
+             "|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        t = row["times_s"]
+        point, lo, hi = ratio_ci(t["halves"], t["full"], paired=True)  # time(full) / time(halves)
+        lines.append(f"| {row['size'] >> 10} KiB | {1e6 * np.median(t['full']):.0f} | "
+                     f"{1e6 * np.median(t['halves']):.0f} | {point:.2f} [{lo:.2f}, {hi:.2f}] | "
+                     f"{noise_floor(t['full'], t['full_again']):.2f} |")
+    return lines + [""]
+
+
+def main() -> None:
+    args = ab_parser(__doc__, block=10).parse_args()
+    comm = mpccs.init()
+    if comm.size != 2:
+        raise SystemExit("halves_ab.py runs on 2 ranks (the halves path is 2-rank only)")
+    comm.set_path_policy("up")
+    rows = []
+    for k, nbytes in enumerate(SIZES):
+        rows.append(measure(comm, nbytes, args.iters, args.block, args.warmup))
+        if comm.rank == 0:
+            print(f"# progress: {k + 1}/{len(SIZES)} sizes", flush=True)
+    if comm.rank == 0:
+        meta = {"mpccs": mpccs.__version__, "iters": args.iters, "block": args.block,
+                "host": f"{os.uname().sysname} {os.uname().release}, {os.cpu_count()} CPUs"}
+        write_ab_results(args.out, "all_reduce_2ranks.json", meta, rows, report_lines(rows, meta))
+    comm.close()
+
+
+if __name__ == "__main__":
+    main()
