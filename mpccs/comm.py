@@ -17,8 +17,8 @@ from . import algorithms, fingerprint
 from .algorithms import Topology, resumable_in_place
 from .bootstrap import Bootstrap, hostname, rendezvous
 from .config import DEFAULT_UP_TLS_CPU, Options, load_options, parse_policy
-from .engine import (DIRECT_HALVES_MIN_BYTES, DIRECT_MAX_BYTES, DIRECT_MEDIUM_BUDGET, CollectiveOp, DirectAllGatherOp,
-                     DirectAllReduceOp, DirectHalvesAllReduceOp,
+from .engine import (DIRECT_BLOCKS_MIN_BYTES, DIRECT_MAX_BYTES, DIRECT_MEDIUM_BUDGET, CollectiveOp, DirectAllGatherOp,
+                     DirectAllReduceOp, DirectBlocksAllReduceOp,
                      DirectAllToAllOp, DirectBroadcastOp, DirectReduceOp, DirectReduceScatterOp,
                      Engine, Operation, RecvOp, SendOp, Splitter)
 from .errors import CommunicatorAborted, ConfigError, MismatchError, MpccsError, TransportError
@@ -642,8 +642,8 @@ class Communicator:
         # agree on the plane without a round trip, and plane state (a plane
         # down, rejoining) may differ between ranks for a moment.
         kind = DIRECT_OPS.get(name, DirectAllReduceOp)  # all_reduce and barrier: DirectAllReduceOp
-        if name == "all_reduce" and self.size == 2 and send.nbytes >= DIRECT_HALVES_MIN_BYTES:
-            kind = DirectHalvesAllReduceOp
+        if name == "all_reduce" and send.nbytes >= DIRECT_BLOCKS_MIN_BYTES:
+            kind = DirectBlocksAllReduceOp
         fp = None  # (every caller checked that the communicator is usable)
         if self.options.fingerprint:
             fp = fingerprint.make(name, op, send.dtype, kind.algorithm, root, 0, send.size)

@@ -35,7 +35,7 @@ from .health import PlaneHealth
 from .prologue import DeferredCopies
 from .reduce import reduce_into, reduce_to
 from .telemetry import wall
-from .two_step import TwoStepExecutor, halves
+from .two_step import TwoStepExecutor
 from .windows import (OUT, UP, FlowCursor, Pacer, boundary_for, chunk_count, chunk_range, flow_chunk_elems,
                       flow_min_chunks, missing_ranges)
 
@@ -1289,12 +1289,13 @@ DIRECT_MAX_BYTES = 4096  # a payload at most this large rides in the fingerprint
 # DAG at 8-32 KiB, 1.5-1.9x at 128 KiB-1.5 MiB (bench/direct_ab.py); at 4 MiB
 # the ring, which moves half the bytes, won.
 DIRECT_MEDIUM_BUDGET = 2 << 20
-# A 2-rank medium all_reduce at least this large runs as two exchanges of halves
-# (DirectHalvesAllReduceOp) rather than one full exchange: half the reduction
-# for one more message each way. Default planes, interleaved (full / halves):
-# 0.73x at 256 KiB, 0.96x at 512 KiB, 1.09x at 768 KiB, 1.11x at 1 MiB, 1.22x
-# just under 2 MiB. Above DIRECT_MAX_BYTES: the payload never rides inline.
-DIRECT_HALVES_MIN_BYTES = 640 << 10
+# A medium all_reduce at least this large runs as a reduce-scatter and an
+# all-gather of blocks (DirectBlocksAllReduceOp) rather than one full
+# exchange: a fraction of the bytes and the reduction for twice the messages.
+# 2 ranks, default planes, interleaved (full / blocks): 0.73x at 256 KiB, 0.96x
+# at 512 KiB, 1.09x at 768 KiB, 1.11x at 1 MiB, 1.22x just under 2 MiB. Above
+# DIRECT_MAX_BYTES: the payload never rides inline.
+DIRECT_BLOCKS_MIN_BYTES = 640 << 10
 DIRECT_POOL_PER_SIZE = 4  # reusable DirectBuffers kept per size (operations in flight at once)
 DIRECT_POOL_SIZES = 32  # sizes kept
 DIRECT_POOL_BYTES = 32 << 20  # and at most this much memory in them (medium buffers are up to ~2 MiB)
@@ -1500,95 +1501,116 @@ class DirectAllReduceOp(Operation):
         return out
 
 
-class DirectHalvesAllReduceOp(DirectAllReduceOp):
-    """A medium all_reduce on 2 ranks as two exchanges of halves behind the
-    direct path's fingerprint message (the two-step executor's exchanges,
-    without its agreement round): each rank sends its peer the half of its
-    input the peer owns, reduces the half it owns (rank 0's operand on the left:
-    the full exchange's result, bit for bit) and sends that half back. The same
-    bytes as the full exchange (DirectAllReduceOp), half its reduction; it
-    replaces it from DIRECT_HALVES_MIN_BYTES. Like the rest of the direct path
-    both ranks take it from the configuration and the call alone.
+class DirectBlocksAllReduceOp(DirectAllReduceOp):
+    """A medium all_reduce as a reduce-scatter then an all-gather of blocks,
+    behind the direct path's fingerprint messages: each rank sends rank j
+    block j of its input, reduces its own block over every rank's part in rank
+    order 0..p-1 (the full exchange's order: its result, bit for bit), then
+    sends that block to every other rank, straight into their outputs. On 2
+    ranks these are the two-step executor's exchanges of halves, without its
+    agreement round: like the rest of the direct path every rank takes it from
+    the configuration and the call alone. Each rank sends 2 (p - 1) / p of its
+    input and reduces one block, where the full exchange (DirectAllReduceOp)
+    sends (p - 1) inputs and reduces p, for twice the messages; it replaces it
+    from DIRECT_BLOCKS_MIN_BYTES.
 
-    The receive of the peer's reduced half is posted at the start, straight into
-    the output: the peer sends it only after it matched this rank's fingerprint
-    and took this rank's half, so even in place nothing still to be sent is
-    overwritten, and a mismatched peer sends none.
+    The receives of the reduced blocks are posted at the start, into the
+    output: a peer sends its block only after it matched this rank's
+    fingerprint and took this rank's part of that block, so even in place
+    nothing still to be sent is overwritten, and a mismatched peer sends none.
     """
 
-    algorithm = "direct_halves"
+    algorithm = "direct_blocks"
 
     def __init__(self, engine, seq, send: np.ndarray, out: np.ndarray, op: str, world: int,
                  fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,
                  name: str = "all_reduce"):
-        self._own, self._theirs = halves(send.size, engine.rank)  # element slices of input and output
-        self._reduced_recv = None
+        n = send.size
+        self._blocks = [slice(j * n // world, (j + 1) * n // world) for j in range(world)]  # of input and output
+        self._in_place = np.may_share_memory(send, out)
+        self._gather_recvs: list = []  # (request, peer, plane): the peers' reduced blocks
         self._reduced = False
         super().__init__(engine, seq, send, out, op, world, fingerprint, finalize, name)
 
+    def _own_input(self, send: np.ndarray, out: np.ndarray, me: int, world: int) -> np.ndarray:
+        return send  # only this rank's own block may need a copy (_reduce_own_block)
+
     def _received_bytes(self) -> int:
-        return self.mine[self._own].nbytes  # the peer's operand of the half this rank owns
+        return self.mine[self._blocks[self.engine.rank]].nbytes  # a peer's part of the block this rank owns
 
     def _post_medium(self, send: np.ndarray, world: int, layout: "DirectLayout") -> None:
         engine, buffers, me = self.engine, self._buffers, self.engine.rank
-        peer = layout.others[0]
-        plane = self._plane = engine.control_plane(peer)
-        half_tag = wire.make_tag(wire.KIND_CTRL, engine.comm_id, self.wire_seq, 0, wire.CTRL_DIRECT_HALF)
+        part_tag = wire.make_tag(wire.KIND_CTRL, engine.comm_id, self.wire_seq, 0, wire.CTRL_DIRECT_PART)
         reduced_tag = wire.make_tag(wire.KIND_CTRL, engine.comm_id, self.wire_seq, 0, wire.CTRL_DIRECT_REDUCED)
         self._reduced_tag = reduced_tag | wire.mid_bits(me)
         seq = wire.seq_bits(self.wire_seq)
-        # Receives first, so the peer's messages find them posted.
-        self._recvs.append((plane.recv(buffers.rows[0], layout.recv_tags[0] | seq, desc=buffers.row_descs[0]),
-                            peer, 0, plane, False))
-        self._data_recvs[peer] = plane.recv(buffers.data[0], half_tag | wire.mid_bits(peer),
-                                            desc=buffers.data_descs[0])
-        self._reduced_recv = plane.recv(self.out[self._theirs].view(np.uint8), reduced_tag | wire.mid_bits(peer))
-        self._sends.append(plane.send(peer, buffers.payload, layout.send_tag | seq, buffers.payload_desc))
-        theirs = send[self._theirs]
-        self._sends.append(plane.send(peer, theirs.view(np.uint8), half_tag | wire.mid_bits(me)))
-        self.bytes_per_plane[plane.name] += theirs.nbytes
+        planes = [engine.control_plane(peer) for peer in layout.others]
+        self._planes = planes
+        # Receives first, so the peers' messages find them posted.
+        for row, (peer, plane) in enumerate(zip(layout.others, planes)):
+            self._recvs.append((plane.recv(buffers.rows[row], layout.recv_tags[row] | seq,
+                                           desc=buffers.row_descs[row]), peer, row, plane, False))
+            self._data_recvs[peer] = plane.recv(buffers.data[row], part_tag | wire.mid_bits(peer),
+                                                desc=buffers.data_descs[row])
+            block = self.out[self._blocks[peer]]
+            self._gather_recvs.append((plane.recv(block.view(np.uint8), reduced_tag | wire.mid_bits(peer)),
+                                       peer, plane))
+        for row, (peer, plane) in enumerate(zip(layout.others, planes)):
+            self._sends.append(plane.send(peer, buffers.payload, layout.send_tag | seq, buffers.payload_desc))
+            part = send[self._blocks[peer]]
+            self._sends.append(plane.send(peer, part.view(np.uint8), part_tag | wire.mid_bits(me)))
+            self.bytes_per_plane[plane.name] += part.nbytes
 
     def _advance(self) -> bool:
         moved = self._take_arrivals()
         if self._recvs:
             return moved
         if not self._reduced:
-            self._reduce_own_half()
+            self._reduce_own_block()
             moved = True
-        if not self._reduced_recv.completed or not all(r.completed for r in self._sends):
+        if not all(r.completed for r, _, _ in self._gather_recvs) or not all(r.completed for r in self._sends):
             return moved
-        try:
-            self._reduced_recv.check_error()
-        except Exception as exc:
-            raise TransportError(f"{type(exc).__name__}: {exc}", rank=self.engine.rank, plane=self._plane.name,
-                                 peer=self.others[0], op=self.name, stage="direct halves: reduced half") from None
+        for req, peer, plane in self._gather_recvs:
+            try:
+                req.check_error()
+            except Exception as exc:
+                raise TransportError(f"{type(exc).__name__}: {exc}", rank=self.engine.rank, plane=plane.name,
+                                     peer=peer, op=self.name, stage="direct blocks: reduced block") from None
         for req in self._sends:
             req.check_error()
         self._complete()
         return True
 
-    def _reduce_own_half(self) -> None:
-        """out[own] = in_0 op in_1 over the half this rank owns, then that half to the peer."""
-        own, incoming = self.mine[self._own], self._got[self.others[0]]
-        left, right = (own, incoming) if self.engine.rank == 0 else (incoming, own)
-        result = self.out[self._own]
-        reduce_to(result, left, right, self.op)
-        self._sends.append(self._plane.send(self.others[0], result.view(np.uint8), self._reduced_tag))
-        self.bytes_per_plane[self._plane.name] += result.nbytes
+    def _reduce_own_block(self) -> None:
+        """out[own] = in_0 op in_1 op ... in_(p-1) over this rank's block, then that block to every peer."""
+        me = self.engine.rank
+        own = self._blocks[me]
+        mine = self.mine[own]
+        if me >= 2 and self._in_place:
+            mine = mine.copy()  # reduced into after ranks 0 and 1: the output overwrites it first
+        parts = [mine if r == me else self._got[r] for r in range(len(self._blocks))]
+        result = self.out[own]
+        reduce_to(result, parts[0], parts[1], self.op)
+        for part in parts[2:]:
+            reduce_into(result, part, self.op)
+        for peer, plane in zip(self.others, self._planes):
+            self._sends.append(plane.send(peer, result.view(np.uint8), self._reduced_tag))
+            self.bytes_per_plane[plane.name] += result.nbytes
         self._reduced = True
 
     def _fail(self, exc: BaseException) -> None:
-        if self._reduced_recv is not None and not self._reduced_recv.completed:
-            self.engine.park(self._reduced_recv, self.out)  # it writes into the caller's output
+        for req, _, _ in self._gather_recvs:
+            if not req.completed:
+                self.engine.park(req, self.out)  # it writes into the caller's output
         super()._fail(exc)
 
     def describe_stall(self) -> dict:
-        if self._recvs or self._reduced_recv is None:
+        if self._recvs or not self._gather_recvs:
             return super().describe_stall()
-        peer = self.others[0]
-        return {"stage": 1, "peer": [peer], "plane": self._plane.name,
-                "waiting_for": f"the reduced half of rank {peer}" if not self._reduced_recv.completed
-                else "the peer to take this rank's messages"}
+        waiting = [peer for req, peer, _ in self._gather_recvs if not req.completed]
+        return {"stage": 1, "peer": waiting, "plane": sorted({p.name for p in self._planes}),
+                "waiting_for": f"the reduced blocks of ranks {waiting}" if waiting
+                else "the peers to take this rank's messages"}
 
 
 class DirectReduceScatterOp(DirectAllReduceOp):

@@ -38,8 +38,8 @@ CTRL_PING = 9  # a plane heartbeat; seq carries a nonce
 CTRL_PONG = 10
 CTRL_WIREUP = 11  # one byte per plane and peer at init: connections exist before the first operation
 CTRL_DIRECT_DATA = 12  # a direct operation's payload in its own message, after its fingerprint message
-CTRL_DIRECT_HALF = 13  # direct halves: the half of a rank's input its peer owns
-CTRL_DIRECT_REDUCED = 14  # direct halves: the half a rank owns, reduced
+CTRL_DIRECT_PART = 13  # direct blocks: the block of a rank's input the receiver owns
+CTRL_DIRECT_REDUCED = 14  # direct blocks: the block the sender owns, reduced
 
 # Flow ids no schedule reaches, for the two-step executor's messages (two_step.py):
 # collective-data tags, so a failed attempt's strays are drained like chunks.

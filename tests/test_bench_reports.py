@@ -54,12 +54,13 @@ def test_two_step_ab_reports_speedup_and_share_of_the_floor():
     assert cells["2 MiB"][:4] == ["400", "500", "300", "ring"]
 
 
-def test_halves_ab_reports_the_full_exchange_over_the_halves():
-    ab = load("halves_ab")
+def test_blocks_ab_reports_the_full_exchange_over_the_blocks():
+    ab = load("blocks_ab")
     n = 12
-    row = {"size": 1 << 20, "algorithm": {"full": "direct", "halves": "direct_halves", "full_again": "direct"},
-           "times_s": {"full": [300e-6] * n, "halves": [250e-6] * n, "full_again": [300e-6] * n}}
-    cells = table_rows("\n".join(ab.report_lines([row], {"mpccs": "x", "iters": n, "block": 10, "host": "test"})))
+    row = {"size": 1 << 20, "algorithm": {"full": "direct", "blocks": "direct_blocks", "full_again": "direct"},
+           "times_s": {"full": [300e-6] * n, "blocks": [250e-6] * n, "full_again": [300e-6] * n}}
+    meta = {"mpccs": "x", "iters": n, "block": 10, "host": "test", "world": 2}
+    cells = table_rows("\n".join(ab.report_lines([row], meta)))
     assert cells["1024 KiB"] == ["300", "250", "1.20 [1.20, 1.20]", "0.00"]
 
 

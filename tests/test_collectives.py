@@ -593,12 +593,12 @@ def direct_all_reduce_paths(comm):
             in_place = _order_sensitive(comm.rank, medium_n)
             comm.all_reduce(in_place)  # rank 2 reduces third: it needs a copy of its input
             out[name, "medium_in_place"] = (in_place.tobytes(), comm.last_stats()["algorithm"])
-            halves_n = (768 << 10) // 4 + 3  # 2 ranks: two exchanges of (unequal) halves
-            halves = comm.all_reduce(_order_sensitive(comm.rank, halves_n), np.empty(halves_n, np.float32))
-            out[name, "halves"] = (halves.tobytes(), comm.last_stats()["algorithm"])
-            in_place = _order_sensitive(comm.rank, halves_n)
+            blocks_n = (768 << 10) // 4 + 3  # a reduce-scatter and an all-gather of (unequal) blocks
+            blocks = comm.all_reduce(_order_sensitive(comm.rank, blocks_n), np.empty(blocks_n, np.float32))
+            out[name, "blocks"] = (blocks.tobytes(), comm.last_stats()["algorithm"])
+            in_place = _order_sensitive(comm.rank, blocks_n)
             comm.all_reduce(in_place)
-            out[name, "halves_in_place"] = (in_place.tobytes(), comm.last_stats()["algorithm"])
+            out[name, "blocks_in_place"] = (in_place.tobytes(), comm.last_stats()["algorithm"])
             largest, over = DIRECT_BOUND[comm.size]
             below = comm.all_reduce(np.ones(largest // 4, np.float32))
             out[name, "largest"] = (float(below[0]), comm.last_stats()["algorithm"])
@@ -630,10 +630,9 @@ def test_all_reduce_direct_paths_reduce_in_rank_order(pools, world):
             assert r[policy, "small"] == (small_expected, "direct")  # bit-identical everywhere: rank order 0..p-1
             assert r[policy, "medium"] == (medium_expected, "direct")
             assert r[policy, "medium_in_place"] == (medium_expected, "direct")
-            halves = "direct_halves" if p == 2 else "direct"  # 2 ranks from DIRECT_HALVES_MIN_BYTES
-            halves_expected = _rank_order_sum(p, (768 << 10) // 4 + 3).tobytes()
-            assert r[policy, "halves"] == (halves_expected, halves)
-            assert r[policy, "halves_in_place"] == (halves_expected, halves)
-            assert r[policy, "largest"] == (float(p), halves)
+            blocks_expected = _rank_order_sum(p, (768 << 10) // 4 + 3).tobytes()  # from DIRECT_BLOCKS_MIN_BYTES
+            assert r[policy, "blocks"] == (blocks_expected, "direct_blocks")
+            assert r[policy, "blocks_in_place"] == (blocks_expected, "direct_blocks")  # rank 2 copies its block
+            assert r[policy, "largest"] == (float(p), "direct_blocks")
             assert r[policy, "above"][0] == float(p) and r[policy, "above"][1] != "direct"
         assert r["fixed", "medium"] != "direct"  # a split policy keeps the DAG (both planes)

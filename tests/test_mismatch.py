@@ -39,9 +39,9 @@ def mismatched(comm, kind):
         elif kind == "two_step_size":  # both offer the two-step executor: it waits for the fingerprints
             comm.set_path_policy("up")
             comm.all_reduce(np.ones((1 << 19) + 2 * r, np.float32))
-        elif kind == "halves_size":  # both direct halves (2 ranks, >= 640 KiB): unequal halves, larger messages
+        elif kind == "halves_size":  # both direct blocks (>= 640 KiB): unequal halves, larger messages
             comm.all_reduce(np.ones((256 << 10) + 2 * r, np.float32))
-        elif kind == "halves_vs_full":  # 600 KiB as one full exchange against 700 KiB as two of halves
+        elif kind == "halves_vs_full":  # 600 KiB as one full exchange against 700 KiB as blocks (halves)
             comm.all_reduce(np.ones((600 << 8) if r == 0 else (700 << 8), np.float32))
         elif kind == "op_after_warm":  # pooled buffers sent 'sum' fingerprints many times before
             for _ in range(20):

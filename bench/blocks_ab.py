@@ -1,17 +1,19 @@
-"""The direct path's two exchanges of halves against its one full exchange, 2 ranks.
+"""The direct path's reduce-scatter and all-gather of blocks against its one full exchange.
 
-    mpccs-run -n 2 --no-prefix python bench/halves_ab.py --out bench/results/direct_halves
+    mpccs-run -n 2 --no-prefix python bench/blocks_ab.py --out bench/results/direct_blocks
+    mpccs-run -n 3 --no-prefix python bench/blocks_ab.py --out bench/results/direct_blocks
 
 Float32 all_reduce, out of place, policy 'up' on the default planes (what
 'adaptive' runs too below the size it would split). Each iteration times a
 block of back-to-back operations three ways, interleaved: the full exchange
-(DirectAllReduceOp: every rank sends its whole input and reduces all of it),
-the exchanges of halves (DirectHalvesAllReduceOp: half the reduction, one more
-message each way), and the full exchange again (the A/A noise floor). The
-path is switched by the size from which comm takes halves
-(DIRECT_HALVES_MIN_BYTES), set per mode. Per-op time = block time / block
-length, max across ranks. Writes all_reduce_2ranks.json and appends a
-section to report.md under --out.
+(DirectAllReduceOp: every rank sends its whole input to every other rank and
+reduces all of them), the blocks (DirectBlocksAllReduceOp: on 2 ranks the two
+exchanges of halves), and the full exchange again (the A/A noise floor). The
+path is switched by the size from which comm takes blocks
+(DIRECT_BLOCKS_MIN_BYTES), set per mode. Per-op time = block time / block
+length, max across ranks. Sizes stop at the direct path's bound for the
+world. Writes all_reduce_<p>ranks.json and appends a section to report.md
+under --out.
 """
 from __future__ import annotations
 
@@ -28,13 +30,13 @@ from mpccs.engine import DIRECT_MAX_BYTES
 sys.path.insert(0, os.path.dirname(__file__))
 from stats import ab_parser, noise_floor, ratio_ci, slowest_rank, write_ab_results  # noqa: E402
 
-SIZES = tuple(k << 10 for k in (256, 384, 512, 768, 1024, 1536, 2000))  # all under the direct path's bound
-MODES = ("full", "halves", "full_again")
-HALVES_FROM = {"full": 1 << 62, "halves": DIRECT_MAX_BYTES + 1, "full_again": 1 << 62}
+SIZES = tuple(k << 10 for k in (256, 384, 512, 768, 1024, 1536, 2000))  # bounded by the direct path's bound
+MODES = ("full", "blocks", "full_again")
+BLOCKS_FROM = {"full": 1 << 62, "blocks": DIRECT_MAX_BYTES + 1, "full_again": 1 << 62}
 
 
 def time_block(comm, x: np.ndarray, out: np.ndarray, mode: str, block: int) -> float:
-    comm_module.DIRECT_HALVES_MIN_BYTES = HALVES_FROM[mode]
+    comm_module.DIRECT_BLOCKS_MIN_BYTES = BLOCKS_FROM[mode]
     comm.all_reduce(x, out)
     comm.barrier()
     t0 = time.perf_counter()
@@ -57,16 +59,16 @@ def measure(comm, nbytes: int, iters: int, block: int, warmup: int) -> dict:
 
 
 def report_lines(rows: list[dict], meta: dict) -> list[str]:
-    lines = ["## 2 ranks, float32 all_reduce, policy 'up', default planes", "",
+    lines = [f"## {meta['world']} ranks, float32 all_reduce, policy 'up', default planes", "",
              f"mpccs {meta['mpccs']}, {meta['iters']} interleaved iterations of {meta['block']} operations, "
              f"{meta['host']}", "",
-             "| size | full (us) | halves (us) | halves speedup [95% CI] | A/A floor |",
+             "| size | full (us) | blocks (us) | blocks speedup [95% CI] | A/A floor |",
              "|---:|---:|---:|---:|---:|"]
     for row in rows:
         t = row["times_s"]
-        point, lo, hi = ratio_ci(t["halves"], t["full"], paired=True)  # time(full) / time(halves)
+        point, lo, hi = ratio_ci(t["blocks"], t["full"], paired=True)  # time(full) / time(blocks)
         lines.append(f"| {row['size'] >> 10} KiB | {1e6 * np.median(t['full']):.0f} | "
-                     f"{1e6 * np.median(t['halves']):.0f} | {point:.2f} [{lo:.2f}, {hi:.2f}] | "
+                     f"{1e6 * np.median(t['blocks']):.0f} | {point:.2f} [{lo:.2f}, {hi:.2f}] | "
                      f"{noise_floor(t['full'], t['full_again']):.2f} |")
     return lines + [""]
 
@@ -74,18 +76,18 @@ def report_lines(rows: list[dict], meta: dict) -> list[str]:
 def main() -> None:
     args = ab_parser(__doc__, block=10).parse_args()
     comm = mpccs.init()
-    if comm.size != 2:
-        raise SystemExit("halves_ab.py runs on 2 ranks (the halves path is 2-rank only)")
     comm.set_path_policy("up")
     rows = []
     for k, nbytes in enumerate(SIZES):
+        if not comm._direct("all_reduce", nbytes // 4, 4, None, nbytes):
+            break  # past the direct path's bound for this world
         rows.append(measure(comm, nbytes, args.iters, args.block, args.warmup))
         if comm.rank == 0:
             print(f"# progress: {k + 1}/{len(SIZES)} sizes", flush=True)
     if comm.rank == 0:
-        meta = {"mpccs": mpccs.__version__, "iters": args.iters, "block": args.block,
+        meta = {"mpccs": mpccs.__version__, "iters": args.iters, "block": args.block, "world": comm.size,
                 "host": f"{os.uname().sysname} {os.uname().release}, {os.cpu_count()} CPUs"}
-        write_ab_results(args.out, "all_reduce_2ranks.json", meta, rows, report_lines(rows, meta))
+        write_ab_results(args.out, f"all_reduce_{comm.size}ranks.json", meta, rows, report_lines(rows, meta))
     comm.close()
 
 
