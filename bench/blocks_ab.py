@@ -28,7 +28,7 @@ import mpccs.comm as comm_module
 from mpccs.engine import DIRECT_MAX_BYTES
 
 sys.path.insert(0, os.path.dirname(__file__))
-from stats import ab_parser, noise_floor, ratio_ci, slowest_rank, write_ab_results  # noqa: E402
+from stats import ab_parser, ab_report_head, noise_floor, ratio_ci, slowest_rank, write_ab_results  # noqa: E402
 
 SIZES = tuple(k << 10 for k in (256, 384, 512, 768, 1024, 1536, 2000))  # bounded by the direct path's bound
 MODES = ("full", "blocks", "full_again")
@@ -59,11 +59,9 @@ def measure(comm, nbytes: int, iters: int, block: int, warmup: int) -> dict:
 
 
 def report_lines(rows: list[dict], meta: dict) -> list[str]:
-    lines = [f"## {meta['world']} ranks, float32 all_reduce, policy 'up', default planes", "",
-             f"mpccs {meta['mpccs']}, {meta['iters']} interleaved iterations of {meta['block']} operations, "
-             f"{meta['host']}", "",
-             "| size | full (us) | blocks (us) | blocks speedup [95% CI] | A/A floor |",
-             "|---:|---:|---:|---:|---:|"]
+    lines = ab_report_head(f"{meta['world']} ranks, float32 all_reduce, policy 'up', default planes", meta,
+                           "| size | full (us) | blocks (us) | blocks speedup [95% CI] | A/A floor |",
+                           "|---:|---:|---:|---:|---:|")
     for row in rows:
         t = row["times_s"]
         point, lo, hi = ratio_ci(t["blocks"], t["full"], paired=True)  # time(full) / time(blocks)

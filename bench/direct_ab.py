@@ -25,7 +25,7 @@ import numpy as np
 import mpccs
 
 sys.path.insert(0, os.path.dirname(__file__))
-from stats import ab_parser, noise_floor, ratio_ci, slowest_rank, write_ab_results  # noqa: E402
+from stats import ab_parser, ab_report_head, noise_floor, ratio_ci, slowest_rank, write_ab_results  # noqa: E402
 
 SIZES = (8 << 10, 32 << 10, 128 << 10, 512 << 10, 1 << 20, 3 << 19)  # the larger ones go direct on 2 ranks only
 MODES = ("direct", "dag", "dag_again")
@@ -88,11 +88,9 @@ def summarise(row: dict) -> dict:
 def report_lines(world: int, rows: list[dict], meta: dict) -> list[str]:
     what = (meta["collective"] if meta["collective"] in ("all_reduce", "broadcast", "reduce")
             else f"{meta['collective']} (size = a block)")
-    lines = [f"## {world} ranks, float32 {what}, policy 'up', default planes", "",
-             f"mpccs {meta['mpccs']}, {meta['iters']} interleaved iterations of {meta['block']} operations, "
-             f"{meta['host']}", "",
-             "| size | direct (us) | DAG (us) | DAG algorithm | direct speedup [95% CI] | A/A floor |",
-             "|---:|---:|---:|:--|---:|---:|"]
+    lines = ab_report_head(f"{world} ranks, float32 {what}, policy 'up', default planes", meta,
+                           "| size | direct (us) | DAG (us) | DAG algorithm | direct speedup [95% CI] | A/A floor |",
+                           "|---:|---:|---:|:--|---:|---:|")
     for row in rows:
         s = summarise(row)
         point, lo, hi = s["speedup"]

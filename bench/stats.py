@@ -71,3 +71,10 @@ def write_ab_results(out_dir: str, json_name: str, meta: dict, rows: list, lines
     print("\n".join(lines), flush=True)
     with open(os.path.join(out_dir, "report.md"), "a") as fh:
         fh.write("\n".join(lines) + "\n")
+
+
+def ab_report_head(title: str, meta: dict, columns: str, align: str) -> list[str]:
+    """The head of an A/B benchmark's report section: title, what ran, and the table's header rows."""
+    return [f"## {title}", "",
+            f"mpccs {meta['mpccs']}, {meta['iters']} interleaved iterations of {meta['block']} operations, "
+            f"{meta['host']}", "", columns, align]

@@ -27,7 +27,7 @@ import mpccs
 from mpccs import wire
 
 sys.path.insert(0, os.path.dirname(__file__))
-from stats import ab_parser, noise_floor, ratio_ci, slowest_rank, write_ab_results  # noqa: E402
+from stats import ab_parser, ab_report_head, noise_floor, ratio_ci, slowest_rank, write_ab_results  # noqa: E402
 
 SIZES = tuple(m << 20 for m in (2, 4, 8, 16))
 MODES = ("two_step", "dag", "dag_again", "by_hand")
@@ -125,12 +125,10 @@ def summarise(row: dict) -> dict:
 
 def report_lines(rows: list[dict], meta: dict) -> list[str]:
     what = "all_reduce in place" if meta.get("collective", "all_reduce") == "all_reduce" else meta["collective"]
-    lines = [f"## 2 ranks, float32 {what}, policy 'up', default planes", "",
-             f"mpccs {meta['mpccs']}, {meta['iters']} interleaved iterations of {meta['block']} operations, "
-             f"{meta['host']}", "",
-             "| size | two-step (us) | DAG (us) | by hand (us) | DAG algorithm | two-step speedup [95% CI] | "
-             "A/A floor | by hand / two-step [95% CI] |",
-             "|---:|---:|---:|---:|:--|---:|---:|---:|"]
+    lines = ab_report_head(f"2 ranks, float32 {what}, policy 'up', default planes", meta,
+                           "| size | two-step (us) | DAG (us) | by hand (us) | DAG algorithm | two-step speedup [95% CI] | "
+                           "A/A floor | by hand / two-step [95% CI] |",
+                           "|---:|---:|---:|---:|:--|---:|---:|---:|")
     for row in rows:
         s = summarise(row)
         point, lo, hi = s["speedup"]

@@ -1334,7 +1334,7 @@ class DirectAllReduceOp(Operation):
         me = engine.rank
         self.mine = self._own_input(send, out, me, world)
         nbytes = self.mine.nbytes  # what every message carries: the input, or one block of it
-        layout = engine.direct_layouts.get((type(self), world, nbytes, self.mine.itemsize, getattr(self, "root", None)))
+        layout = engine.direct_layouts.get(self._layout_key(world, nbytes))
         if layout is None:
             layout = self._layout(world, nbytes)
         self.others = layout.others
@@ -1349,14 +1349,21 @@ class DirectAllReduceOp(Operation):
         if layout.medium:
             self._post_medium(send, world, layout)
             return
-        seq = wire.seq_bits(self.wire_seq)
         for row, peer in enumerate(layout.others):
             plane = engine.control_plane(peer)
-            self._sends.append(plane.send(peer, buffers.payload, layout.send_tag | seq, buffers.payload_desc))
-            self._recvs.append((plane.recv(buffers.rows[row], layout.recv_tags[row] | seq, desc=buffers.row_descs[row]),
-                                peer, row, plane, False))
+            self._post_fingerprint(row, peer, plane, layout)
             if layout.sends_to[row]:
                 self.bytes_per_plane[plane.name] += nbytes
+
+    def _post_fingerprint(self, row: int, peer: int, plane, layout: "DirectLayout") -> None:
+        """This rank's fingerprint message to ``peer`` (row ``row`` of the layout), and the receive of the peer's."""
+        seq, buffers = wire.seq_bits(self.wire_seq), self._buffers
+        self._sends.append(plane.send(peer, buffers.payload, layout.send_tag | seq, buffers.payload_desc))
+        self._recvs.append((plane.recv(buffers.rows[row], layout.recv_tags[row] | seq, desc=buffers.row_descs[row]),
+                            peer, row, plane, False))
+
+    def _layout_key(self, world: int, nbytes: int) -> tuple:
+        return type(self), world, nbytes, self.mine.itemsize, getattr(self, "root", None)
 
     def _layout(self, world: int, nbytes: int) -> "DirectLayout":
         """What this kind of operation sends and receives for one world and
@@ -1378,20 +1385,17 @@ class DirectAllReduceOp(Operation):
                               tuple(fp_tag | wire.mid_bits(peer) for peer in others))
         if len(self.engine.direct_layouts) >= DIRECT_LAYOUTS_KEPT:
             self.engine.direct_layouts.clear()  # payload sizes are many; a loop uses a few
-        self.engine.direct_layouts[(type(self), world, nbytes, self.mine.itemsize, getattr(self, "root", None))] = layout
+        self.engine.direct_layouts[self._layout_key(world, nbytes)] = layout
         return layout
 
     def _post_medium(self, send: np.ndarray, world: int, layout: "DirectLayout") -> None:
         """Post a medium operation's messages: each fingerprint message, then the
         payload under its own tag, straight from the caller's array."""
         engine, buffers, me, nbytes = self.engine, self._buffers, self.engine.rank, self.mine.nbytes
-        seq = wire.seq_bits(self.wire_seq)
         data_tag = wire.make_tag(wire.KIND_CTRL, engine.comm_id, self.wire_seq, 0, wire.CTRL_DIRECT_DATA)
         for row, peer in enumerate(layout.others):
             plane = engine.control_plane(peer)
-            self._sends.append(plane.send(peer, buffers.payload, layout.send_tag | seq, buffers.payload_desc))
-            self._recvs.append((plane.recv(buffers.rows[row], layout.recv_tags[row] | seq, desc=buffers.row_descs[row]),
-                                peer, row, plane, False))
+            self._post_fingerprint(row, peer, plane, layout)
             if layout.sends_to[row]:
                 data = _block(send, peer, world) if self.per_peer else send
                 self._sends.append(plane.send(peer, data.view(np.uint8), data_tag | wire.mid_bits(me)))
@@ -1543,20 +1547,16 @@ class DirectBlocksAllReduceOp(DirectAllReduceOp):
         part_tag = wire.make_tag(wire.KIND_CTRL, engine.comm_id, self.wire_seq, 0, wire.CTRL_DIRECT_PART)
         reduced_tag = wire.make_tag(wire.KIND_CTRL, engine.comm_id, self.wire_seq, 0, wire.CTRL_DIRECT_REDUCED)
         self._reduced_tag = reduced_tag | wire.mid_bits(me)
-        seq = wire.seq_bits(self.wire_seq)
         planes = [engine.control_plane(peer) for peer in layout.others]
         self._planes = planes
-        # Receives first, so the peers' messages find them posted.
         for row, (peer, plane) in enumerate(zip(layout.others, planes)):
-            self._recvs.append((plane.recv(buffers.rows[row], layout.recv_tags[row] | seq,
-                                           desc=buffers.row_descs[row]), peer, row, plane, False))
+            self._post_fingerprint(row, peer, plane, layout)
             self._data_recvs[peer] = plane.recv(buffers.data[row], part_tag | wire.mid_bits(peer),
                                                 desc=buffers.data_descs[row])
             block = self.out[self._blocks[peer]]
             self._gather_recvs.append((plane.recv(block.view(np.uint8), reduced_tag | wire.mid_bits(peer)),
                                        peer, plane))
-        for row, (peer, plane) in enumerate(zip(layout.others, planes)):
-            self._sends.append(plane.send(peer, buffers.payload, layout.send_tag | seq, buffers.payload_desc))
+        for peer, plane in zip(layout.others, planes):
             part = send[self._blocks[peer]]
             self._sends.append(plane.send(peer, part.view(np.uint8), part_tag | wire.mid_bits(me)))
             self.bytes_per_plane[plane.name] += part.nbytes
