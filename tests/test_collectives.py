@@ -463,6 +463,35 @@ def test_pooled_direct_buffers_follow_each_calls_fingerprint(pools):
             assert got == expected
 
 
+def direct_blocks_every_dtype(comm):
+    """Medium all_reduces on the direct blocks path, every supported dtype, in and
+    out of place: (dtype, op, in place, algorithm, exact) per call."""
+    from mpccs.reduce import SUPPORTED_DTYPES
+
+    p, out = comm.size, []
+    with path_policy(comm, "adaptive"):
+        for dt in map(np.dtype, SUPPORTED_DTYPES):
+            n = (700 << 10) // dt.itemsize + 1  # odd: blocks of unequal length
+            ins = [((np.arange(n) % 3) + (r % 2)).astype(dt) for r in range(p)]  # exact in every dtype
+            for op, fold in (("sum", np.add), ("max", np.maximum)):
+                expected = ins[0]
+                for part in ins[1:]:
+                    expected = fold(expected, part).astype(dt)
+                for in_place in (False, True):
+                    x = ins[comm.rank].copy()
+                    got = x if in_place else np.empty_like(x)
+                    comm.all_reduce(x, None if in_place else got, op=op)
+                    out.append((str(dt), op, in_place, comm.last_stats()["algorithm"],
+                                got.tobytes() == expected.tobytes()))
+    return out
+
+
+@pytest.mark.parametrize("world", ["2", "3"])
+def test_direct_blocks_are_exact_in_every_dtype(pools, world):
+    for rows in pools(world).run(direct_blocks_every_dtype):
+        assert rows and all(algorithm == "direct_blocks" and exact for *_, algorithm, exact in rows), rows
+
+
 def all_to_allv_case(comm, seed):
     n, rank = comm.size, comm.rank
     rng = np.random.default_rng(seed)
