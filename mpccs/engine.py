@@ -1292,8 +1292,9 @@ DIRECT_MEDIUM_BUDGET = 2 << 20
 # A medium all_reduce at least this large runs as a reduce-scatter and an
 # all-gather of blocks (DirectBlocksAllReduceOp) rather than one full
 # exchange: a fraction of the bytes and the reduction for twice the messages.
-# 2 ranks, default planes, interleaved (full / blocks): 0.73x at 256 KiB, 0.96x
-# at 512 KiB, 1.09x at 768 KiB, 1.11x at 1 MiB, 1.22x just under 2 MiB. Above
+# 2 ranks, default planes, time of the full exchange over the blocks
+# (bench/results/direct_blocks/): 0.67-0.68x at 256 KiB, 0.93-0.97x at 512 KiB,
+# 1.06-1.09x at 768 KiB, 1.09-1.12x at 1 MiB, 1.19-1.21x from 1.5 MiB. Above
 # DIRECT_MAX_BYTES: the payload never rides inline.
 DIRECT_BLOCKS_MIN_BYTES = 640 << 10
 DIRECT_POOL_PER_SIZE = 4  # reusable DirectBuffers kept per size (operations in flight at once)
@@ -1463,12 +1464,16 @@ class DirectAllReduceOp(Operation):
             self.finalize()
         self._finish()
 
-    def _accept(self, req, peer: int, row: int, plane, is_data: bool) -> None:
+    def _check_arrival(self, req, peer: int, plane, stage=None) -> None:
+        """A completed receive's error, as a TransportError naming the plane and the peer."""
         try:
             req.check_error()
         except Exception as exc:
             raise TransportError(f"{type(exc).__name__}: {exc}", rank=self.engine.rank, plane=plane.name,
-                                 peer=peer, op=self.name) from None
+                                 peer=peer, op=self.name, stage=stage) from None
+
+    def _accept(self, req, peer: int, row: int, plane, is_data: bool) -> None:
+        self._check_arrival(req, peer, plane)
         if is_data:
             self._got[peer] = self._buffers.data[row].view(self.mine.dtype)
             return
@@ -1571,11 +1576,7 @@ class DirectBlocksAllReduceOp(DirectAllReduceOp):
         if not all(r.completed for r, _, _ in self._gather_recvs) or not all(r.completed for r in self._sends):
             return moved
         for req, peer, plane in self._gather_recvs:
-            try:
-                req.check_error()
-            except Exception as exc:
-                raise TransportError(f"{type(exc).__name__}: {exc}", rank=self.engine.rank, plane=plane.name,
-                                     peer=peer, op=self.name, stage="direct blocks: reduced block") from None
+            self._check_arrival(req, peer, plane, stage="direct blocks: reduced block")
         for req in self._sends:
             req.check_error()
         self._complete()
@@ -1694,13 +1695,13 @@ def _block(send: np.ndarray, rank: int, world: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class DirectLayout:
-    """A direct operation's messages for one (kind, world, payload size, root),
+    """A direct operation's messages for one call shape (DirectAllReduceOp._layout_key),
     on one rank: kept on the engine (Engine.direct_layouts)."""
 
     others: tuple  # the peers, in rank order: row i of the buffers is others[i]
     sends_to: tuple  # per row: a payload goes to that peer (else the fingerprint alone)
     receives_from: tuple  # per row: a payload comes from that peer
-    medium: bool  # payloads travel in messages of their own (CTRL_DIRECT_DATA)
+    medium: bool  # payloads travel in messages of their own, after the fingerprint messages
     inline_sends: int  # payload bytes in this rank's fingerprint message
     buffer_key: tuple  # Engine.direct_buffers' arguments
     send_tag: int  # this rank's fingerprint message, but for its sequence number (wire.seq_bits)

@@ -102,7 +102,8 @@ class Fingerprint:
             a, b = getattr(self, name), getattr(other, name)
             if a != b and not (name == "count" and ANY_COUNT in (a, b)):
                 out.append(f"{name} {a} vs {b}")
-                if name == "algorithm" and "direct" in (a[:6], b[:6]) and self.count == other.count:
+                if name == "algorithm" and (a.startswith("direct") or b.startswith("direct")) \
+                        and self.count == other.count:
                     # same call, different path: the direct path follows the path policy
                     out[-1] += (" (a medium collective goes direct under 'up' and 'adaptive' only: "
                                 "set the same path policy on every rank)")
