@@ -1347,6 +1347,7 @@ class DirectAllReduceOp(Operation):
             buffers.payload[FP_BYTES:] = send.view(np.uint8)
         self._sends, self._recvs, self._got = [], [], {}
         self._data_recvs = {}
+        self._landed = {}  # peer -> the view of out its medium payload arrives in (_landing)
         if layout.medium:
             self._post_medium(send, world, layout)
             return
@@ -1402,8 +1403,32 @@ class DirectAllReduceOp(Operation):
                 self._sends.append(plane.send(peer, data.view(np.uint8), data_tag | wire.mid_bits(me)))
                 self.bytes_per_plane[plane.name] += nbytes
             if layout.receives_from[row]:
-                self._data_recvs[peer] = plane.recv(buffers.data[row], data_tag | wire.mid_bits(peer),
-                                                    desc=buffers.data_descs[row])
+                self._data_recvs[peer] = self._post_payload_recv(plane, peer, row, data_tag, send, world)
+
+    def _post_payload_recv(self, plane, peer: int, row: int, tag: int, send: np.ndarray, world: int):
+        """The receive of ``peer``'s medium payload: into the caller's output where
+        _landing allows, else into this peer's pooled row."""
+        landing = self._landing(peer, send, world)
+        if landing is None:
+            return plane.recv(self._buffers.data[row], tag | wire.mid_bits(peer), desc=self._buffers.data_descs[row])
+        self._landed[peer] = landing
+        return plane.recv(landing.view(np.uint8), tag | wire.mid_bits(peer))
+
+    def _landing(self, peer: int, send: np.ndarray, world: int) -> Optional[np.ndarray]:
+        """Where ``peer``'s medium payload may arrive straight in the output, or None.
+
+        A reduction lands the first operand in rank order that is not this
+        rank's own (rank 1's on rank 0, rank 0's elsewhere) on the output, out of
+        place only, so that the first combine writes over one of its operands:
+        numpy's ufuncs ran 2.4-2.7x faster so than into a third array here (float32
+        sum of 1 MiB: 44 against 118 us), and a copy first costs what it saves.
+        The received bytes are exactly the row's; a peer whose fingerprint does
+        not match may have written the output by the time the MismatchError is
+        raised, as an error leaves the output undefined anyway."""
+        first_other = 1 if self.engine.rank == 0 else 0
+        if peer != first_other or np.may_share_memory(send, self.out):
+            return None
+        return self.out
 
     def _received_bytes(self) -> int:
         """What one peer's payload message brings (medium: its own receive buffer per peer)."""
@@ -1475,7 +1500,8 @@ class DirectAllReduceOp(Operation):
     def _accept(self, req, peer: int, row: int, plane, is_data: bool) -> None:
         self._check_arrival(req, peer, plane)
         if is_data:
-            self._got[peer] = self._buffers.data[row].view(self.mine.dtype)
+            landed = self._landed.get(peer)
+            self._got[peer] = landed if landed is not None else self._buffers.data[row].view(self.mine.dtype)
             return
         buf = self._buffers.rows[row]
         if self.fingerprint is not None:
@@ -1489,7 +1515,7 @@ class DirectAllReduceOp(Operation):
         pending = [item[0] for item in self._recvs] + list(self._data_recvs.values()) + self._sends
         for req in pending:
             if not req.completed:
-                self.engine.park(req, (self._buffers, self.mine))
+                self.engine.park(req, (self._buffers, self.mine, self.out))
         super()._fail(exc)
 
     def _combine(self) -> None:
@@ -1547,8 +1573,13 @@ class DirectBlocksAllReduceOp(DirectAllReduceOp):
     def _received_bytes(self) -> int:
         return self.mine[self._blocks[self.engine.rank]].nbytes  # a peer's part of the block this rank owns
 
+    def _landing(self, peer: int, send: np.ndarray, world: int) -> Optional[np.ndarray]:
+        """The first other operand of the block this rank owns, in its output (see the base class)."""
+        landing = super()._landing(peer, send, world)
+        return None if landing is None else landing[self._blocks[self.engine.rank]]
+
     def _post_medium(self, send: np.ndarray, world: int, layout: "DirectLayout") -> None:
-        engine, buffers, me = self.engine, self._buffers, self.engine.rank
+        engine, me = self.engine, self.engine.rank
         part_tag = wire.make_tag(wire.KIND_CTRL, engine.comm_id, self.wire_seq, 0, wire.CTRL_DIRECT_PART)
         reduced_tag = wire.make_tag(wire.KIND_CTRL, engine.comm_id, self.wire_seq, 0, wire.CTRL_DIRECT_REDUCED)
         self._reduced_tag = reduced_tag | wire.mid_bits(me)
@@ -1556,8 +1587,7 @@ class DirectBlocksAllReduceOp(DirectAllReduceOp):
         self._planes = planes
         for row, (peer, plane) in enumerate(zip(layout.others, planes)):
             self._post_fingerprint(row, peer, plane, layout)
-            self._data_recvs[peer] = plane.recv(buffers.data[row], part_tag | wire.mid_bits(peer),
-                                                desc=buffers.data_descs[row])
+            self._data_recvs[peer] = self._post_payload_recv(plane, peer, row, part_tag, send, world)
             block = self.out[self._blocks[peer]]
             self._gather_recvs.append((plane.recv(block.view(np.uint8), reduced_tag | wire.mid_bits(peer)),
                                        peer, plane))
@@ -1630,10 +1660,22 @@ class DirectAllGatherOp(DirectAllReduceOp):
 
     reduces = False
 
+    def _landing(self, peer: int, send: np.ndarray, world: int) -> Optional[np.ndarray]:
+        """Every peer's block straight into its place in the output, unless the
+        input overlaps the output elsewhere than in this rank's own block (where
+        an in-place all_gather keeps it; an in-place all_to_all sends from every
+        block it receives into)."""
+        n = self.mine.size
+        own = self.out[self.engine.rank * n:(self.engine.rank + 1) * n]
+        if np.may_share_memory(send, self.out) and not (send.ctypes.data == own.ctypes.data and send.size == n):
+            return None
+        return self.out[peer * n:(peer + 1) * n]
+
     def _combine(self) -> None:
         n = self.mine.size
         for peer, part in self._got.items():
-            self.out[peer * n:(peer + 1) * n] = part
+            if peer not in self._landed:
+                self.out[peer * n:(peer + 1) * n] = part
         own = self.out[self.engine.rank * n:(self.engine.rank + 1) * n]
         if own.ctypes.data != self.mine.ctypes.data:  # not in place
             own[...] = self.mine
@@ -1682,8 +1724,12 @@ class DirectBroadcastOp(_RootedDirectOp):
     def _receives_from(self, peer: int) -> bool:
         return peer == self.root
 
+    def _landing(self, peer: int, send: np.ndarray, world: int) -> Optional[np.ndarray]:
+        """The root's payload straight into the output (a rank that receives sends none)."""
+        return self.out
+
     def _combine(self) -> None:
-        if self.engine.rank != self.root:
+        if self.engine.rank != self.root and self.root not in self._landed:
             self.out[...] = self._got[self.root]
 
 

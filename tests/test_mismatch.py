@@ -41,6 +41,9 @@ def mismatched(comm, kind):
             comm.all_reduce(np.ones((1 << 19) + 2 * r, np.float32))
         elif kind == "halves_size":  # both direct blocks (>= 640 KiB): unequal halves, larger messages
             comm.all_reduce(np.ones((256 << 10) + 2 * r, np.float32))
+        elif kind in ("medium_size_out", "halves_size_out"):  # out of place: a peer's payload lands in the output
+            n = (16 << 10) * (1 + r) if kind == "medium_size_out" else (256 << 10) + 2 * r
+            comm.all_reduce(np.ones(n, np.float32), np.empty(n, np.float32))
         elif kind == "halves_vs_full":  # 600 KiB as one full exchange against 700 KiB as blocks (halves)
             comm.all_reduce(np.ones((600 << 8) if r == 0 else (700 << 8), np.float32))
         elif kind == "op_after_warm":  # pooled buffers sent 'sum' fingerprints many times before
@@ -75,7 +78,8 @@ def _run_timed(fn, *args):
 
 @pytest.mark.parametrize("kind", ["size", "dtype", "op", "root", "collective", "policy", "medium_size",
                                   "medium_vs_dag", "medium_policy", "gather_vs_dag", "a2a_size",
-                                  "two_step_size", "op_after_warm", "halves_size", "halves_vs_full"])
+                                  "two_step_size", "op_after_warm", "halves_size", "halves_vs_full",
+                                  "medium_size_out", "halves_size_out"])
 def test_mismatched_calls_raise_on_every_rank(kind):
     results, elapsed = _run_timed(mismatched, kind)
     for rank, result in enumerate(results):
