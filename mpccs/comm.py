@@ -13,17 +13,18 @@ from typing import Optional
 import numpy as np
 
 from . import arrays, staging
-from . import algorithms, fingerprint
+from . import algorithms, fingerprint, shm_steps
 from .algorithms import Topology, resumable_in_place
 from .bootstrap import Bootstrap, hostname, rendezvous
 from .config import DEFAULT_UP_TLS_CPU, Options, load_options, parse_policy
-from .engine import (DIRECT_BLOCKS_MIN_BYTES, DIRECT_MAX_BYTES, DIRECT_MEDIUM_BUDGET, CollectiveOp, DirectAllGatherOp,
-                     DirectAllReduceOp, DirectBlocksAllReduceOp,
+from .engine import (DIRECT_BLOCKS_MIN_BYTES, DIRECT_MAX_BYTES, DIRECT_MEDIUM_BUDGET, DIRECT_SHM_MIN_BYTES, CollectiveOp,
+                     DirectAllGatherOp, DirectAllReduceOp, DirectBlocksAllReduceOp, DirectShmAllReduceOp,
                      DirectAllToAllOp, DirectBroadcastOp, DirectReduceOp, DirectReduceScatterOp,
                      Engine, Operation, RecvOp, SendOp, Splitter)
 from .errors import CommunicatorAborted, ConfigError, MismatchError, MpccsError, TransportError
 from .reduce import finish_avg
 from .telemetry import Telemetry
+from .transports import shm
 from .transports.plane import Plane
 from .two_step import MAX_HALF_BYTES as TWO_STEP_MAX_HALF_BYTES
 from .control.split import PathModel
@@ -112,6 +113,9 @@ class Communicator:
                               plane_timeout_s=options.plane_timeout_s, reprobe_s=options.reprobe_s,
                               out_pacer=pacer)
         self._engine.liveness = self._lost_local_peers
+        if self.size == 2 and boot.store is not None:
+            self._engine.shm = shm.open_pair(boot.store, self.rank, options.rendezvous_timeout_s,
+                                             willing=self._shm_willing(options))
         self._telemetry = Telemetry(options.trace, self.rank)
         self._policy = None
         self.set_path_policy(options.path_policy)
@@ -126,6 +130,14 @@ class Communicator:
         infos = [json.loads(v) for v in boot.store.gather("info", boot.size, opts.rendezvous_timeout_s)]
         self._pids = [i["pid"] for i in infos]
         return [i["host"] for i in infos], [i["domain"] for i in infos]
+
+    def _shm_willing(self, opts: Options) -> bool:
+        """Whether this rank offers the shared-memory segments (transports/shm.py):
+        asked for, one host, and 'up' the shared-memory plane that reaches the peer
+        (on a testbed whose 'up' is shaped tcp, the segments would bypass it)."""
+        up = self._planes.get(UP)
+        return (opts.shm and shm.supported() and self.hosts[0] == self.hosts[1] and up is not None
+                and not up.failable and up.reaches(1 - self.rank))
 
     def _lost_local_peers(self) -> list[int]:
         """Ranks on this host whose process no longer exists.
@@ -261,6 +273,9 @@ class Communicator:
             except MpccsError:
                 pass
         self._closed = True
+        if self._engine.shm is not None:
+            self._engine.shm.close()
+            self._engine.shm = None
         for plane in self._planes.values():
             plane.close()
         self._telemetry.close()
@@ -642,7 +657,10 @@ class Communicator:
         # agree on the plane without a round trip, and plane state (a plane
         # down, rejoining) may differ between ranks for a moment.
         kind = DIRECT_OPS.get(name, DirectAllReduceOp)  # all_reduce and barrier: DirectAllReduceOp
-        if name == "all_reduce" and send.nbytes >= DIRECT_BLOCKS_MIN_BYTES:
+        if name == "all_reduce" and send.nbytes >= DIRECT_SHM_MIN_BYTES and self._engine.shm is not None \
+                and shm_steps.fits(send.nbytes - send.nbytes // 2):
+            kind = DirectShmAllReduceOp
+        elif name == "all_reduce" and send.nbytes >= DIRECT_BLOCKS_MIN_BYTES:
             kind = DirectBlocksAllReduceOp
         fp = None  # (every caller checked that the communicator is usable)
         if self.options.fingerprint:

@@ -155,6 +155,7 @@ class Options:
     fingerprint: bool = True
     failover: bool = True  # retry a collective on the plane left when one fails
     two_step: bool = True  # 2-rank all_reduce on 'up' alone: two messages each way, not the DAG (two_step.py)
+    shm: bool = True  # 2 ranks on one host: blocks up to 2 MiB through shared-memory segments (shm_steps.py)
     device_reduce: str = "auto"  # where reductions of device arrays are computed (DEVICE_REDUCE_MODES)
     plane_timeout_s: float = 1.0  # heartbeat silence that marks a plane down
     reprobe_s: float = 5.0  # how long a failed plane rests before a rejoin probe
@@ -180,6 +181,7 @@ _ENV = {
     "fingerprint": ("MPCCS_FINGERPRINT", parse_bool),
     "failover": ("MPCCS_FAILOVER", parse_bool),
     "two_step": ("MPCCS_TWO_STEP", parse_bool),
+    "shm": ("MPCCS_SHM", parse_bool),
     "device_reduce": ("MPCCS_DEVICE_REDUCE", lambda v: parse_device_reduce(v)),
     "plane_timeout_s": ("MPCCS_PLANE_TIMEOUT", float),
     "reprobe_s": ("MPCCS_REPROBE", float),

@@ -35,7 +35,9 @@ from .health import PlaneHealth
 from .prologue import DeferredCopies
 from .reduce import reduce_into, reduce_to
 from .telemetry import wall
+from .shm_steps import ShmSteps
 from .two_step import TwoStepExecutor
+from .two_step import geometry as two_step_geometry
 from .windows import (OUT, UP, FlowCursor, Pacer, boundary_for, chunk_count, chunk_range, flow_chunk_elems,
                       flow_min_chunks, missing_ranges)
 
@@ -420,6 +422,9 @@ class Operation:
     name = "op"
     stats_are_light = False  # True: its record holds nothing to count but the operation and its bytes; built later
     posts_when_built = False  # True: its constructor posted everything; nothing can have completed by submit()
+    # True while it waits on a flag in shared memory (shm_steps.py): no plane event
+    # announces the peer's step, so the engine polls instead of sleeping on them.
+    polls_memory = False
 
     def __init__(self, engine: "Engine", seq: int):
         self.engine = engine
@@ -1297,6 +1302,7 @@ DIRECT_MEDIUM_BUDGET = 2 << 20
 # 1.06-1.09x at 768 KiB, 1.09-1.12x at 1 MiB, 1.19-1.21x from 1.5 MiB. Above
 # DIRECT_MAX_BYTES: the payload never rides inline.
 DIRECT_BLOCKS_MIN_BYTES = 640 << 10
+DIRECT_SHM_MIN_BYTES = 256 << 10
 DIRECT_POOL_PER_SIZE = 4  # reusable DirectBuffers kept per size (operations in flight at once)
 DIRECT_POOL_SIZES = 32  # sizes kept
 DIRECT_POOL_BYTES = 32 << 20  # and at most this much memory in them (medium buffers are up to ~2 MiB)
@@ -1642,6 +1648,84 @@ class DirectBlocksAllReduceOp(DirectAllReduceOp):
         return {"stage": 1, "peer": waiting, "plane": sorted({p.name for p in self._planes}),
                 "waiting_for": f"the reduced blocks of ranks {waiting}" if waiting
                 else "the peers to take this rank's messages"}
+
+
+class DirectShmAllReduceOp(DirectAllReduceOp):
+    """A 2-rank all_reduce of halves through the shared-memory segments
+    (shm_steps.py), behind the direct path's fingerprint messages: the direct
+    blocks' reduce-scatter and all-gather with a copy and a flag in place of
+    each message. Chosen like the rest of the direct path, from the
+    configuration and the call alone (comm._run_direct): every rank opened the
+    segments or none did (transports/shm.open_pair). A rank completes only
+    once its peer's fingerprint matched: a peer that called something else
+    gets its MismatchError as on the rest of the direct path (the output may
+    then hold anything, as after any error).
+
+    One outbox per rank: operations in flight together (async_op) take the
+    segments in turn, in the order they were submitted (the same on both
+    ranks): an operation starts its steps once the one before it finished
+    here, which was once the peer had taken everything from this outbox."""
+
+    algorithm = "direct_shm"
+    polls_memory = True
+
+    def __init__(self, engine, seq, send: np.ndarray, out: np.ndarray, op: str, world: int,
+                 fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,
+                 name: str = "all_reduce"):
+        super().__init__(engine, seq, send, out, op, world, fingerprint, finalize, name)
+        self._pair = engine.shm
+        self._kinds, self._views = two_step_geometry(name, send, out, engine.rank)
+        self._steps: Optional[ShmSteps] = None
+        self._start_steps()
+        half = self._views[2].nbytes  # theirs_in: a part out, then the reduced block (mine_out) back
+        self.bytes_per_plane[UP] += half + self._views[1].nbytes
+
+    def _start_steps(self) -> bool:
+        """Take the segments if no earlier operation holds them (Engine.shm_holder)."""
+        if self.engine.shm_holder is not None:
+            return False
+        self.engine.shm_holder = self
+        self._steps = ShmSteps(self._pair, self.seq, self.engine.rank, self._kinds, self._views, self.op)
+        return True
+
+    def _own_input(self, send: np.ndarray, out: np.ndarray, me: int, world: int) -> np.ndarray:
+        return send  # the steps read each half before anything writes over it
+
+    def _sends_to(self, peer: int) -> bool:
+        return False  # the fingerprint alone: the halves go through the segments
+
+    def _receives_from(self, peer: int) -> bool:
+        return False
+
+    def _received_bytes(self) -> int:
+        return 0
+
+    def _advance(self) -> bool:
+        moved = self._take_arrivals()
+        if self._steps is None and not self._start_steps():
+            return moved
+        moved |= self._steps.advance()
+        if self._recvs or not self._steps.done or not all(r.completed for r in self._sends):
+            return moved
+        for req in self._sends:
+            req.check_error()
+        self._release()
+        self._complete()
+        return True
+
+    def _release(self) -> None:
+        if self.engine.shm_holder is self:
+            self.engine.shm_holder = None
+
+    def _fail(self, exc: BaseException) -> None:
+        self._release()
+        super()._fail(exc)
+
+    def describe_stall(self) -> dict:
+        if self._recvs:
+            return super().describe_stall()
+        waiting = "an earlier operation to let go of the segments" if self._steps is None else self._steps.waiting_for
+        return {"stage": "direct shm", "peer": list(self.others), "plane": UP, "waiting_for": waiting}
 
 
 class DirectReduceScatterOp(DirectAllReduceOp):
@@ -1999,6 +2083,8 @@ class Engine:
         self._next_control_poll = 0.0
         self._direct_pool: dict[tuple, list] = {}  # DirectBuffers by DirectBuffers.key
         self._two_step_scratch: Optional[np.ndarray] = None  # see two_step_scratch()
+        self.shm = None  # transports.shm.ShmPair of a 2-rank job on one host (the communicator opens it)
+        self.shm_holder: Optional[Operation] = None  # the operation whose steps use the segments now
         self._direct_pool_bytes = 0
         self._last_direct: Optional[DirectBuffers] = None  # see give_direct_buffers()
         self.fp_capacity: dict[int, int] = {}  # fp_blob_capacity by world size
@@ -2367,7 +2453,7 @@ class Engine:
                 idle = 0
             else:
                 idle += 1
-                if idle > IDLE_SPINS_BEFORE_SLEEP:
+                if idle > IDLE_SPINS_BEFORE_SLEEP and not op.polls_memory:
                     self.sleep_until_event(IDLE_SLEEP_S)
                 elif idle > IDLE_SPINS_BEFORE_YIELD:
                     # Ranks may share cores (2-core machines, oversubscribed

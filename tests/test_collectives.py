@@ -463,13 +463,14 @@ def test_pooled_direct_buffers_follow_each_calls_fingerprint(pools):
             assert got == expected
 
 
-def direct_blocks_every_dtype(comm):
-    """Medium all_reduces on the direct blocks path, every supported dtype, in and
-    out of place: (dtype, op, in place, algorithm, exact) per call."""
+def direct_blocks_every_dtype(comm, segments=False):
+    """Medium all_reduces on the direct blocks path (``segments``: through the
+    shared-memory segments where the pool has them, else with them closed), every
+    supported dtype, in and out of place: (dtype, op, in place, algorithm, exact) per call."""
     from mpccs.reduce import SUPPORTED_DTYPES
 
     p, out = comm.size, []
-    with path_policy(comm, "adaptive"):
+    with path_policy(comm, "adaptive"), shm_segments(comm, segments):
         for dt in map(np.dtype, SUPPORTED_DTYPES):
             n = (700 << 10) // dt.itemsize + 1  # odd: blocks of unequal length
             ins = [((np.arange(n) % 3) + (r % 2)).astype(dt) for r in range(p)]  # exact in every dtype
@@ -490,6 +491,13 @@ def direct_blocks_every_dtype(comm):
 def test_direct_blocks_are_exact_in_every_dtype(pools, world):
     for rows in pools(world).run(direct_blocks_every_dtype):
         assert rows and all(algorithm == "direct_blocks" and exact for *_, algorithm, exact in rows), rows
+
+
+def test_shared_memory_halves_are_exact_in_every_dtype(pools):
+    """2 ranks on one host: the segments are open and carry the medium all_reduce
+    (DirectShmAllReduceOp), bit for bit the same results as the messages."""
+    for rows in pools("2").run(direct_blocks_every_dtype, True):
+        assert rows and all(algorithm == "direct_shm" and exact for *_, algorithm, exact in rows), rows
 
 
 def all_to_allv_case(comm, seed):
@@ -583,6 +591,19 @@ def test_random_shapes_property(pools, shape, name):
 
 
 @contextlib.contextmanager
+def shm_segments(comm, keep: bool):
+    """Run a case with the pool rank's shared-memory segments closed to it unless
+    ``keep`` (every rank of the case switches alike), and give them back after."""
+    pair = comm._engine.shm
+    if not keep:
+        comm._engine.shm = None
+    try:
+        yield
+    finally:
+        comm._engine.shm = pair
+
+
+@contextlib.contextmanager
 def path_policy(comm, policy):
     """Run a case under ``policy`` and restore the pool rank's policy after it."""
     before = comm.path_policy
@@ -660,8 +681,9 @@ def test_all_reduce_direct_paths_reduce_in_rank_order(pools, world):
             assert r[policy, "medium"] == (medium_expected, "direct")
             assert r[policy, "medium_in_place"] == (medium_expected, "direct")
             blocks_expected = _rank_order_sum(p, (768 << 10) // 4 + 3).tobytes()  # from DIRECT_BLOCKS_MIN_BYTES
-            assert r[policy, "blocks"] == (blocks_expected, "direct_blocks")
-            assert r[policy, "blocks_in_place"] == (blocks_expected, "direct_blocks")  # rank 2 copies its block
-            assert r[policy, "largest"] == (float(p), "direct_blocks")
+            halves = "direct_shm" if p == 2 else "direct_blocks"  # 2 ranks on one host: through the segments
+            assert r[policy, "blocks"] == (blocks_expected, halves)
+            assert r[policy, "blocks_in_place"] == (blocks_expected, halves)  # rank 2 copies its block
+            assert r[policy, "largest"] == (float(p), halves)
             assert r[policy, "above"][0] == float(p) and r[policy, "above"][1] != "direct"
         assert r["fixed", "medium"] != "direct"  # a split policy keeps the DAG (both planes)

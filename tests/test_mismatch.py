@@ -46,6 +46,13 @@ def mismatched(comm, kind):
             comm.all_reduce(np.ones(n, np.float32), np.empty(n, np.float32))
         elif kind == "halves_vs_full":  # 600 KiB as one full exchange against 700 KiB as blocks (halves)
             comm.all_reduce(np.ones((600 << 8) if r == 0 else (700 << 8), np.float32))
+        elif kind == "shm_vs_two_step":  # 1 MiB through the segments against 4 MiB on the two-step executor
+            comm.all_reduce(np.ones((1 << 18) if r == 0 else (1 << 20), np.float32))
+        elif kind == "shm_vs_gather":  # an all_reduce through the segments against a direct all_gather
+            if r == 0:
+                comm.all_reduce(np.ones(1 << 18, np.float32), np.empty(1 << 18, np.float32))
+            else:
+                comm.all_gather(np.ones(1 << 17, np.float32), np.empty(1 << 18, np.float32))
         elif kind == "op_after_warm":  # pooled buffers sent 'sum' fingerprints many times before
             for _ in range(20):
                 comm.all_reduce(np.ones(2, np.float32))
@@ -79,7 +86,7 @@ def _run_timed(fn, *args):
 @pytest.mark.parametrize("kind", ["size", "dtype", "op", "root", "collective", "policy", "medium_size",
                                   "medium_vs_dag", "medium_policy", "gather_vs_dag", "a2a_size",
                                   "two_step_size", "op_after_warm", "halves_size", "halves_vs_full",
-                                  "medium_size_out", "halves_size_out"])
+                                  "medium_size_out", "halves_size_out", "shm_vs_two_step", "shm_vs_gather"])
 def test_mismatched_calls_raise_on_every_rank(kind):
     results, elapsed = _run_timed(mismatched, kind)
     for rank, result in enumerate(results):

@@ -1,0 +1,148 @@
+"""The shared-memory segments of a 2-rank job on one host (transports/shm.py)
+and the steps that run through them (shm_steps.py)."""
+import mmap
+import os
+
+import numpy as np
+import pytest
+
+import mpccs
+from mpccs.shm_steps import ShmSteps
+from mpccs.transports import shm
+from mpccs.transports.shm import FLAG_POSTED, HEADER_BYTES, OUTBOX_BYTES, ShmPair
+from mpccs.two_step import geometry
+from rankpool import RankPool
+
+pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory segments need x86-64 and /dev/shm")
+
+
+# -- the steps, both ranks in this process ------------------------------------
+def _pairs():
+    """Two anonymous shared mappings standing in for the two ranks' segments."""
+    a, b = (mmap.mmap(-1, HEADER_BYTES + OUTBOX_BYTES) for _ in range(2))
+    return ShmPair(a, b), ShmPair(b, a)
+
+
+def _run_both(pairs, seq, name, ins, outs, op="sum", first=0):
+    """Drive both ranks' steps to the end, taking turns from rank ``first``."""
+    steps = []
+    for rank in (first, 1 - first):
+        kinds, views = geometry(name, ins[rank], outs[rank], rank)
+        steps.append((rank, ShmSteps(pairs[rank], seq, rank, kinds, views, op)))
+    for _ in range(10):
+        for _, s in steps:
+            s.advance()
+        if all(s.done for _, s in steps):
+            return
+    raise AssertionError("the steps did not finish")
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 1000, 100_001])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_all_reduce_halves_in_rank_order(n, in_place):
+    pairs = _pairs()
+    ins = [np.resize(np.array([1e8, 1.0, -1e8, 3.5], np.float32), n) * (r + 1) + np.float32(r) / 3
+           for r in range(2)]
+    expected = ins[0] + ins[1]  # rank 0's operand on the left: the order of every other path
+    outs = ins if in_place else [np.full(n, np.nan, np.float32) for _ in range(2)]
+    sources = [x.copy() for x in ins] if in_place else ins
+    _run_both(pairs, 1, "all_reduce", sources, sources if in_place else outs)
+    for r in range(2):
+        got = sources[r] if in_place else outs[r]
+        assert got.tobytes() == expected.tobytes()
+
+
+def test_reduce_scatter_and_all_gather_blocks():
+    pairs = _pairs()
+    n = 4099
+    ins = [np.arange(2 * n, dtype=np.int64) * (r + 2) for r in range(2)]
+    outs = [np.zeros(n, np.int64) for _ in range(2)]
+    _run_both(pairs, 1, "reduce_scatter", ins, outs, op="max")
+    both = np.maximum(ins[0], ins[1])
+    assert np.array_equal(outs[0], both[:n]) and np.array_equal(outs[1], both[n:])
+    blocks = [np.full(n, r + 5, np.int16) for r in range(2)]
+    gathered = [np.zeros(2 * n, np.int16) for _ in range(2)]
+    _run_both(pairs, 2, "all_gather", blocks, gathered, first=1)
+    for r in range(2):
+        assert np.array_equal(gathered[r], np.concatenate(blocks))
+
+
+def test_a_rank_waits_for_its_peer_and_stale_flags_do_not_count():
+    """Flags only grow: the previous operation's flags do not let the next one on."""
+    pairs = _pairs()
+    ins = [np.ones(64, np.float32) * (r + 1) for r in range(2)]
+    outs = [np.zeros(64, np.float32) for _ in range(2)]
+    _run_both(pairs, 1, "all_reduce", ins, outs)
+    kinds, views = geometry("all_reduce", ins[0], outs[0], 0)
+    alone = ShmSteps(pairs[0], 2, 0, kinds, views, "sum")
+    for _ in range(5):
+        assert not alone.advance() and not alone.done  # rank 1 has not posted operation 2
+    assert alone.waiting_for == "the peer's block in its segment"
+    pairs[1].post(FLAG_POSTED, 2)  # posted, not yet taken: half way only
+    alone.advance()
+    assert alone.stage == 1 and not alone.done
+
+
+# -- the segments between two processes ---------------------------------------
+def segments_state(comm):
+    pids = comm._pids
+    left = [f for f in os.listdir(shm.SHM_DIR) if any(f.startswith(f"mpccs-{pid}-") for pid in pids)]
+    x = np.arange(300_000, dtype=np.float32) * (comm.rank + 1)
+    out = comm.all_reduce(x, np.empty_like(x))
+    return comm._engine.shm is not None, left, comm.last_stats()["algorithm"], bool(np.all(out == x / (comm.rank + 1) * 3))
+
+
+def test_two_ranks_on_one_host_open_the_segments_and_leave_no_file():
+    pool = RankPool(2)
+    try:
+        for is_open, left, algorithm, exact in pool.run(segments_state):
+            assert is_open and left == [] and algorithm == "direct_shm" and exact
+    finally:
+        pool.close()
+
+
+def init_with_segments_on_rank0_only(kwargs):
+    return mpccs.init(shm=os.environ["RANK"] == "0", **kwargs)
+
+
+def test_one_unwilling_rank_closes_them_on_both():
+    """MPCCS_SHM=0 on one rank: neither uses the segments (no hang, no mismatch)."""
+    pool = RankPool(2, setup=init_with_segments_on_rank0_only)
+    try:
+        for is_open, left, algorithm, exact in pool.run(segments_state):
+            assert not is_open and left == [] and algorithm == "direct_blocks" and exact
+    finally:
+        pool.close()
+
+
+def test_three_ranks_have_no_segments():
+    pool = RankPool(3)
+    try:
+        assert pool.run(segments_of) == [None, None, None]
+    finally:
+        pool.close()
+
+
+def segments_of(comm):
+    return comm._engine.shm
+
+
+def async_calls_in_flight(comm):
+    """Three async all_reduces through the segments at once, then waited on in reverse."""
+    n = 200_003
+    xs = [np.arange(n, dtype=np.float32) * (k + 1) + comm.rank for k in range(3)]
+    outs = [np.empty(n, np.float32) for _ in range(3)]
+    works = [comm.all_reduce(x, out, async_op=True) for x, out in zip(xs, outs)]
+    for w in reversed(works):
+        w.wait()
+    expected = [np.arange(n, dtype=np.float32) * (k + 1) * 2 + 1 for k in range(3)]
+    return [bool(np.array_equal(o, e)) for o, e in zip(outs, expected)], comm.last_stats()["algorithm"]
+
+
+def test_operations_in_flight_take_the_segments_in_turn():
+    pool = RankPool(2)
+    try:
+        for exact, algorithm in pool.run(async_calls_in_flight):
+            assert exact == [True, True, True] and algorithm == "direct_shm"
+    finally:
+        pool.close()
