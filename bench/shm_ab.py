@@ -11,7 +11,9 @@ stop at the direct path's bound (2 MiB on 2 ranks): above it the two-step
 executor runs, whose blocks through the segments measured 1.04x at 2 MiB
 [0.97, 1.10], 0.98x at 3 MiB and 0.90x at 4 MiB (two copies of a block that
 no longer fits a core's cache cost more than UCX's one), so it keeps its
-messages. Per-op time = block time / block length, max across
+messages; a direct reduce_scatter or all_gather through them measured
+0.67-0.91x at 256 KiB-2 MiB (one exchange straight into the output against
+two copies), so those keep theirs too. Per-op time = block time / block length, max across
 ranks. Writes all_reduce.json and appends a section to report.md under --out.
 """
 from __future__ import annotations

@@ -657,8 +657,7 @@ class Communicator:
         # agree on the plane without a round trip, and plane state (a plane
         # down, rejoining) may differ between ranks for a moment.
         kind = DIRECT_OPS.get(name, DirectAllReduceOp)  # all_reduce and barrier: DirectAllReduceOp
-        if name == "all_reduce" and send.nbytes >= DIRECT_SHM_MIN_BYTES and self._engine.shm is not None \
-                and shm_steps.fits(send.nbytes - send.nbytes // 2):
+        if name == "all_reduce" and self._through_segments(send):
             kind = DirectShmAllReduceOp
         elif name == "all_reduce" and send.nbytes >= DIRECT_BLOCKS_MIN_BYTES:
             kind = DirectBlocksAllReduceOp
@@ -668,6 +667,12 @@ class Communicator:
         extra = {} if root is None else {"root": root}
         dop = kind(self._engine, self._next_seq(), send, out, op, self.size, fp, finalize, name, **extra)
         return self._submit(dop, result, async_op)
+
+    def _through_segments(self, send: np.ndarray) -> bool:
+        """A direct all_reduce the shared-memory segments carry (DirectShmAllReduceOp):
+        2 ranks with the segments open, from DIRECT_SHM_MIN_BYTES, halves within the outbox."""
+        return (self._engine.shm is not None and send.nbytes >= DIRECT_SHM_MIN_BYTES
+                and shm_steps.fits(send.nbytes - send.nbytes // 2))
 
     def _avg(self, op, buf):
         return (lambda: finish_avg(buf, self.size)) if op == "avg" else None

@@ -37,7 +37,6 @@ from .reduce import reduce_into, reduce_to
 from .telemetry import wall
 from .shm_steps import ShmSteps
 from .two_step import TwoStepExecutor
-from .two_step import geometry as two_step_geometry
 from .windows import (OUT, UP, FlowCursor, Pacer, boundary_for, chunk_count, chunk_range, flow_chunk_elems,
                       flow_min_chunks, missing_ranges)
 
@@ -1302,6 +1301,8 @@ DIRECT_MEDIUM_BUDGET = 2 << 20
 # 1.06-1.09x at 768 KiB, 1.09-1.12x at 1 MiB, 1.19-1.21x from 1.5 MiB. Above
 # DIRECT_MAX_BYTES: the payload never rides inline.
 DIRECT_BLOCKS_MIN_BYTES = 640 << 10
+# From here a 2-rank all_reduce on the direct path takes the shared-memory
+# segments where they are open (shm_steps.py; bench/shm_ab.py).
 DIRECT_SHM_MIN_BYTES = 256 << 10
 DIRECT_POOL_PER_SIZE = 4  # reusable DirectBuffers kept per size (operations in flight at once)
 DIRECT_POOL_SIZES = 32  # sizes kept
@@ -1673,19 +1674,17 @@ class DirectShmAllReduceOp(DirectAllReduceOp):
                  fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,
                  name: str = "all_reduce"):
         super().__init__(engine, seq, send, out, op, world, fingerprint, finalize, name)
-        self._pair = engine.shm
-        self._kinds, self._views = two_step_geometry(name, send, out, engine.rank)
+        self._pair, self._send = engine.shm, send
         self._steps: Optional[ShmSteps] = None
         self._start_steps()
-        half = self._views[2].nbytes  # theirs_in: a part out, then the reduced block (mine_out) back
-        self.bytes_per_plane[UP] += half + self._views[1].nbytes
+        self.bytes_per_plane[UP] += send.nbytes  # its part of the peer's half, then the peer's copy of its own
 
     def _start_steps(self) -> bool:
         """Take the segments if no earlier operation holds them (Engine.shm_holder)."""
         if self.engine.shm_holder is not None:
             return False
         self.engine.shm_holder = self
-        self._steps = ShmSteps(self._pair, self.seq, self.engine.rank, self._kinds, self._views, self.op)
+        self._steps = ShmSteps(self._pair, self.seq, self.engine.rank, self._send, self.out, self.op)
         return True
 
     def _own_input(self, send: np.ndarray, out: np.ndarray, me: int, world: int) -> np.ndarray:

@@ -1,23 +1,18 @@
-"""The two-step collectives' block exchanges through shared-memory segments
-(transports/shm.py) instead of UCX messages, for blocks up to
-SHM_MAX_BLOCK_BYTES: a 2-rank all_reduce on the direct path
-(engine.DirectShmAllReduceOp) and the two-step executor (two_step.py) where
-both ranks declare it.
+"""A 2-rank all_reduce's exchanges of halves through shared-memory segments
+(transports/shm.py) instead of UCX messages, for halves up to
+SHM_MAX_HALF_BYTES (engine.DirectShmAllReduceOp, on the direct path).
 
-The same steps and the same geometry as the executor's messages (see
-two_step.geometry): this rank's operand of its own block ``mine_in``, that
-block's result ``mine_out``, its operand of the peer's block ``theirs_in``,
-the peer's result ``theirs_out``.
+The halves of the two-step executor (two_step.halves): this rank's operand
+of the half it owns ``mine_in``, that half's result ``mine_out``, its operand
+of the peer's half ``theirs_in``, the peer's result ``theirs_out``.
 
-1. This rank copies what it sends into its own outbox, ``theirs_in`` (or, for
-   an all_gather alone, ``mine_in``), and posts FLAG_POSTED.
+1. This rank copies ``theirs_in`` into its own outbox and posts FLAG_POSTED.
 2. Once the peer has posted: reduce the peer's outbox with ``mine_in`` in rank
-   order (rank 0's operand on the left) writing over the outbox, and copy the
-   result to ``mine_out`` (all_gather alone: copy the peer's block to
-   ``theirs_out``); post FLAG_TAKEN. The result stays in the peer's outbox,
-   where the peer reads its copy of this block.
+   order (rank 0's operand on the left) writing over the outbox, copy the
+   result to ``mine_out``, post FLAG_TAKEN. The result stays in the peer's
+   outbox, where the peer reads its copy of this half.
 3. Once the peer has taken (it reduced this rank's outbox into the peer's
-   block): copy that block to ``theirs_out`` (all_reduce); done.
+   half): copy that half to ``theirs_out``; done.
 
 Writing the reduction over the outbox, not into ``mine_out`` from two other
 arrays, is what numpy does fastest here (two_step._incoming_buffer). An
@@ -25,6 +20,12 @@ outbox is written by its owner in step 1 and by the peer in step 2, and read
 by both in steps 2 and 3; the owner writes it again only in its next
 operation, after step 3 saw the peer take. Flags carry ``seq`` (the
 operation's sequence number, from 1: the same on both ranks).
+
+Only the all_reduce: four local passes over a half (copy in, reduce, two
+copies out) pay against UCX's two exchanges and their sequencing, while a
+reduce_scatter or all_gather on the direct path is one exchange straight
+into the output, which the segments' two copies lost to (0.67-0.91x at
+256 KiB-2 MiB; bench/shm_ab.py --collective, with the steps of both).
 """
 from __future__ import annotations
 
@@ -32,29 +33,25 @@ import numpy as np
 
 from .reduce import reduce_to
 from .transports.shm import FLAG_POSTED, FLAG_TAKEN, OUTBOX_BYTES
+from .two_step import halves
 
-SHM_MAX_BLOCK_BYTES = OUTBOX_BYTES
-STEPS = ("reduce-scatter", "all-gather")
+SHM_MAX_HALF_BYTES = OUTBOX_BYTES
 
 
-def fits(block_bytes: int) -> bool:
-    return 0 < block_bytes <= SHM_MAX_BLOCK_BYTES
+def fits(half_bytes: int) -> bool:
+    return 0 < half_bytes <= SHM_MAX_HALF_BYTES
 
 
 class ShmSteps:
-    """One 2-rank operation's exchanges through the pair of segments; advance() until ``done``."""
+    """One 2-rank all_reduce's exchanges through the pair of segments; advance() until ``done``."""
 
-    def __init__(self, pair, seq: int, rank: int, steps: tuple, geometry: tuple, op: str):
+    def __init__(self, pair, seq: int, rank: int, src: np.ndarray, out: np.ndarray, op: str):
         self.pair, self.seq, self.rank, self.op = pair, seq, rank, op
-        self.mine_in, self.mine_out, self.theirs_in, self.theirs_out = geometry
-        self.reduces = steps[0] == STEPS[0]
-        self.gathers = STEPS[1] in steps
+        mine, theirs = halves(src.size, rank)
+        self.mine_in, self.mine_out, self.theirs_in, self.theirs_out = src[mine], out[mine], src[theirs], out[theirs]
         self.stage = 0  # 0: waiting for the peer's post; 1: for its take; 2: done
-        sent = self.theirs_in if self.reduces else self.mine_in
-        self.own_box = pair.own_box[:sent.nbytes].view(sent.dtype)
-        np.copyto(self.own_box, sent)
-        if not self.reduces and self.mine_out.ctypes.data != self.mine_in.ctypes.data:
-            self.mine_out[...] = self.mine_in  # all_gather out of place: this rank's own block
+        self.own_box = pair.own_box[:self.theirs_in.nbytes].view(src.dtype)
+        np.copyto(self.own_box, self.theirs_in)
         pair.post(FLAG_POSTED, seq)
 
     @property
@@ -63,11 +60,7 @@ class ShmSteps:
 
     @property
     def waiting_for(self) -> str:
-        return ("the peer's block in its segment", "the peer to take this rank's block", "nothing")[self.stage]
-
-    @property
-    def sent_bytes(self) -> int:
-        return self.own_box.nbytes
+        return ("the peer's half in its segment", "the peer to take this rank's half", "nothing")[self.stage]
 
     def advance(self) -> bool:
         """One non-blocking look at the peer's flags; True when a step moved."""
@@ -75,20 +68,16 @@ class ShmSteps:
         if self.stage == 0:
             if not self.pair.peer_reached(FLAG_POSTED, self.seq):
                 return False
-            self._take_peer_block()
+            self._reduce_own_half()
             self.pair.post(FLAG_TAKEN, self.seq)
             self.stage, moved = 1, True
         if self.stage == 1 and self.pair.peer_reached(FLAG_TAKEN, self.seq):
-            if self.reduces and self.gathers:
-                self.theirs_out[...] = self.own_box  # the peer's block, reduced there
+            self.theirs_out[...] = self.own_box  # the peer's half, reduced there
             self.stage, moved = 2, True
         return moved
 
-    def _take_peer_block(self) -> None:
-        if self.reduces:
-            box = self.pair.peer_box[:self.mine_in.nbytes].view(self.mine_in.dtype)  # the peer's part of my block
-            left, right = (self.mine_in, box) if self.rank == 0 else (box, self.mine_in)
-            reduce_to(box, left, right, self.op)
-            self.mine_out[...] = box
-        else:
-            self.theirs_out[...] = self.pair.peer_box[:self.theirs_out.nbytes].view(self.theirs_out.dtype)
+    def _reduce_own_half(self) -> None:
+        box = self.pair.peer_box[:self.mine_in.nbytes].view(self.mine_in.dtype)  # the peer's part of my half
+        left, right = (self.mine_in, box) if self.rank == 0 else (box, self.mine_in)
+        reduce_to(box, left, right, self.op)
+        self.mine_out[...] = box

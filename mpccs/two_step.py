@@ -66,11 +66,11 @@ class TwoStepExecutor:
         engine = op.engine
         self.peer = peer = op.others[0]
         self.plane = plane = engine.control_plane(peer)
-        self.steps, views = geometry(op.name, op.buffers["in"], op.buffers["out"], op.rank)
+        self.steps, geometry = _geometry(op.name, op.buffers["in"], op.buffers["out"], op.rank)
         # mine_in: this rank's operand of the block it owns; mine_out: where that block's
         # result goes (and what the all-gather step sends); theirs_in: what the
         # reduce-scatter step sends; theirs_out: where the peer's block lands.
-        self.mine_in, self.mine_out, self.theirs_in, self.theirs_out = views
+        self.mine_in, self.mine_out, self.theirs_in, self.theirs_out = geometry
         seq = op.wire_seq
         self.tag_rs = wire.make_tag(wire.KIND_COLL, engine.comm_id, seq, wire.TWO_STEP_RS_FLOW)
         self.tag_ag = wire.make_tag(wire.KIND_COLL, engine.comm_id, seq, wire.TWO_STEP_AG_FLOW)
@@ -199,7 +199,7 @@ class TwoStepExecutor:
                 else "the peer to take this rank's messages"}
 
 
-def geometry(collective: str, src: np.ndarray, out: np.ndarray, rank: int):
+def _geometry(collective: str, src: np.ndarray, out: np.ndarray, rank: int):
     """(steps, (mine_in, mine_out, theirs_in, theirs_out)) of a 2-rank call."""
     if collective == "all_reduce":
         mine, theirs = halves(src.size, rank)

@@ -10,7 +10,6 @@ import mpccs
 from mpccs.shm_steps import ShmSteps
 from mpccs.transports import shm
 from mpccs.transports.shm import FLAG_POSTED, HEADER_BYTES, OUTBOX_BYTES, ShmPair
-from mpccs.two_step import geometry
 from rankpool import RankPool
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory segments need x86-64 and /dev/shm")
@@ -23,16 +22,13 @@ def _pairs():
     return ShmPair(a, b), ShmPair(b, a)
 
 
-def _run_both(pairs, seq, name, ins, outs, op="sum", first=0):
+def _run_both(pairs, seq, ins, outs, op="sum", first=0):
     """Drive both ranks' steps to the end, taking turns from rank ``first``."""
-    steps = []
-    for rank in (first, 1 - first):
-        kinds, views = geometry(name, ins[rank], outs[rank], rank)
-        steps.append((rank, ShmSteps(pairs[rank], seq, rank, kinds, views, op)))
+    steps = [ShmSteps(pairs[rank], seq, rank, ins[rank], outs[rank], op) for rank in (first, 1 - first)]
     for _ in range(10):
-        for _, s in steps:
+        for s in steps:
             s.advance()
-        if all(s.done for _, s in steps):
+        if all(s.done for s in steps):
             return
     raise AssertionError("the steps did not finish")
 
@@ -46,25 +42,21 @@ def test_all_reduce_halves_in_rank_order(n, in_place):
     expected = ins[0] + ins[1]  # rank 0's operand on the left: the order of every other path
     outs = ins if in_place else [np.full(n, np.nan, np.float32) for _ in range(2)]
     sources = [x.copy() for x in ins] if in_place else ins
-    _run_both(pairs, 1, "all_reduce", sources, sources if in_place else outs)
+    _run_both(pairs, 1, sources, sources if in_place else outs)
     for r in range(2):
         got = sources[r] if in_place else outs[r]
         assert got.tobytes() == expected.tobytes()
 
 
-def test_reduce_scatter_and_all_gather_blocks():
+@pytest.mark.parametrize("op,fold", [("max", np.maximum), ("min", np.minimum), ("prod", np.multiply)])
+def test_other_ops_and_dtypes_either_rank_first(op, fold):
     pairs = _pairs()
-    n = 4099
-    ins = [np.arange(2 * n, dtype=np.int64) * (r + 2) for r in range(2)]
-    outs = [np.zeros(n, np.int64) for _ in range(2)]
-    _run_both(pairs, 1, "reduce_scatter", ins, outs, op="max")
-    both = np.maximum(ins[0], ins[1])
-    assert np.array_equal(outs[0], both[:n]) and np.array_equal(outs[1], both[n:])
-    blocks = [np.full(n, r + 5, np.int16) for r in range(2)]
-    gathered = [np.zeros(2 * n, np.int16) for _ in range(2)]
-    _run_both(pairs, 2, "all_gather", blocks, gathered, first=1)
-    for r in range(2):
-        assert np.array_equal(gathered[r], np.concatenate(blocks))
+    for seq, (dtype, first) in enumerate([(np.int64, 0), (np.int16, 1), (np.float64, 1)], start=1):
+        ins = [(np.arange(4099) % 7 * (r + 2) - 5).astype(dtype) for r in range(2)]
+        outs = [np.zeros(4099, dtype) for _ in range(2)]
+        _run_both(pairs, seq, ins, outs, op=op, first=first)
+        for r in range(2):
+            assert np.array_equal(outs[r], fold(ins[0], ins[1]))
 
 
 def test_a_rank_waits_for_its_peer_and_stale_flags_do_not_count():
@@ -72,12 +64,11 @@ def test_a_rank_waits_for_its_peer_and_stale_flags_do_not_count():
     pairs = _pairs()
     ins = [np.ones(64, np.float32) * (r + 1) for r in range(2)]
     outs = [np.zeros(64, np.float32) for _ in range(2)]
-    _run_both(pairs, 1, "all_reduce", ins, outs)
-    kinds, views = geometry("all_reduce", ins[0], outs[0], 0)
-    alone = ShmSteps(pairs[0], 2, 0, kinds, views, "sum")
+    _run_both(pairs, 1, ins, outs)
+    alone = ShmSteps(pairs[0], 2, 0, ins[0], outs[0], "sum")
     for _ in range(5):
         assert not alone.advance() and not alone.done  # rank 1 has not posted operation 2
-    assert alone.waiting_for == "the peer's block in its segment"
+    assert alone.waiting_for == "the peer's half in its segment"
     pairs[1].post(FLAG_POSTED, 2)  # posted, not yet taken: half way only
     alone.advance()
     assert alone.stage == 1 and not alone.done
