@@ -16,7 +16,9 @@ sequence number of the last operation that reached that point; they only
 grow, so a waiter tests ``>=`` and a failed operation leaves nothing a later
 one could mistake. Publication relies on x86-64's store order (a flag
 written after the data it announces is never seen before that data), so the
-segments are opened on x86-64 only.
+segments are opened on x86-64 only; the one exception to that order, the
+non-temporal stores a large memcpy may use, cannot pass a locked
+instruction, which post() executes (an uncontended lock) before the flag.
 
 Set-up (open_pair): each rank creates its segment in /dev/shm under a name
 of its own, the names go through the bootstrap store, each maps its peer's,
@@ -29,6 +31,7 @@ import mmap
 import os
 import platform
 import secrets
+import threading
 from typing import Optional
 
 import numpy as np
@@ -53,8 +56,12 @@ class ShmPair:
         self.peer_flags = np.ndarray(8, np.int64, peer, 0)
         self.own_box = np.ndarray(OUTBOX_BYTES, np.uint8, own, HEADER_BYTES)
         self.peer_box = np.ndarray(OUTBOX_BYTES, np.uint8, peer, HEADER_BYTES)
+        self._fence = threading.Lock()
 
     def post(self, flag: int, seq: int) -> None:
+        """Publish ``seq`` in one of this rank's flags, after every store before it (module docstring)."""
+        with self._fence:  # acquiring and releasing an uncontended lock: locked instructions
+            pass
         self.own_flags[flag] = seq
 
     def peer_reached(self, flag: int, seq: int) -> bool:
