@@ -100,8 +100,10 @@ class Communicator:
         self._last_stats = None  # a dict, or a light Operation whose dict is built when asked
         self._plans: OrderedDict = OrderedDict()  # _schedule's answers by its arguments
         self._direct_answers: dict = {}  # _direct's answers under the current path policy
+        self._protected_answers: dict = {}  # _protected's, likewise (configuration, policy and call only)
         self.hosts, self.domains = self._exchange_identity(boot, options)
         self.domain = self.domains[self.rank]
+        self._one_domain = len(set(self.domains)) == 1
         self.local_rank = boot.local_rank if boot.local_rank is not None else self._derive_local_rank()
         self.topology = Topology(tuple(_domain_ids(self.domains)))
         self._tune = _parse_tune(options.tune)
@@ -236,10 +238,11 @@ class Communicator:
             )
         if forced == UP and self.size > 1 and not self._planes[UP].peers and OUT not in self._planes:
             raise ConfigError("path policy 'up' but the scale-up plane reaches no peer and 'out' is disabled")
-        if OUT not in self._planes and len(set(self.domains)) > 1:
+        if OUT not in self._planes and not self._one_domain:
             raise ConfigError("plane 'out' is disabled but ranks span several domains: nothing would reach them")
         self._policy = policy
         self._direct_answers.clear()  # they depend on the policy
+        self._protected_answers.clear()
 
     def last_stats(self) -> Optional[dict]:
         """Record of the operation completed last (see Work.stats)."""
@@ -558,7 +561,7 @@ class Communicator:
         (the offer rides on them), and blocks (an all_reduce's halves) within the buffer
         the engine keeps for them (two_step.MAX_HALF_BYTES)."""
         return (self.size == 2 and self.options.two_step and self.options.fingerprint and algorithm is None
-                and len(set(self.domains)) == 1 and block_bytes <= TWO_STEP_MAX_HALF_BYTES
+                and self._one_domain and block_bytes <= TWO_STEP_MAX_HALF_BYTES
                 and self._tune.match(collective, call_bytes) is None)
 
     def _sends_on_up_only(self, protected: bool, epoch: Optional[int], carries: Optional[bool]) -> bool:
@@ -566,11 +569,15 @@ class Communicator:
         and cannot fail: policy 'up', or 'adaptive' below the multipath size, or with
         'out' dropped (the promise CollectiveOp declares). Then the two-step executor,
         which sends on the control plane, changes no plane a byte takes."""
-        if not self._up_reaches_all_unfailing() or UP in self._engine.health.down:
+        if UP in self._engine.health.down:
+            return False
+        if carries is False:  # a promise made only where 'up' reaches every rank and cannot fail
+            return True
+        if not self._up_reaches_all_unfailing():
             return False
         if self._policy == UP:
             return not protected
-        return self._policy == "adaptive" and (carries is False or (epoch is None and not protected))
+        return self._policy == "adaptive" and epoch is None and not protected
 
     def _multipath_eligible(self, nbytes: int, single_plane: bool) -> bool:
         """An adaptive call the controller may split (deterministic: the same on every rank)."""
@@ -599,7 +606,16 @@ class Communicator:
         can fail while the processes live) may carry bytes and another plane
         reaches every rank to take over.
         """
-        if not self.options.failover or self.size == 1 or len(self._planes) < 2 or len(set(self.domains)) > 1:
+        key = (nbytes, single_plane)
+        answer = self._protected_answers.get(key)
+        if answer is None:
+            if len(self._protected_answers) > 1024:
+                self._protected_answers.clear()
+            answer = self._protected_answers[key] = self._decide_protected(nbytes, single_plane)
+        return answer
+
+    def _decide_protected(self, nbytes: int, single_plane: bool) -> bool:
+        if not self.options.failover or self.size == 1 or len(self._planes) < 2 or not self._one_domain:
             return False
         policy = self._policy
         if policy == "adaptive":
@@ -645,7 +661,7 @@ class Communicator:
         within DIRECT_MEDIUM_BUDGET. The same answer on every rank that set the
         same path policy (configuration and call only). 'up' follows the same
         bound as 'adaptive' so that the two run the same way at every size."""
-        if (count * itemsize * (self.size - 1) > DIRECT_MEDIUM_BUDGET or len(set(self.domains)) > 1
+        if (count * itemsize * (self.size - 1) > DIRECT_MEDIUM_BUDGET or not self._one_domain
                 or self._policy not in (UP, "adaptive") or self._protected(call_bytes, single_plane=True)):
             return False
         plan = self._schedule(collective, count, call_bytes, root=root)
