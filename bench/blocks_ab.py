@@ -12,8 +12,9 @@ exchanges of halves), and the full exchange again (the A/A noise floor). The
 path is switched by the size from which comm takes blocks
 (DIRECT_BLOCKS_MIN_BYTES), set per mode. Per-op time = block time / block
 length, max across ranks. Sizes stop at the direct path's bound for the
-world. Writes all_reduce_<p>ranks.json and appends a section to report.md
-under --out.
+world. The shared-memory segments stay closed (shm=False): on 2 ranks they
+would carry both modes (bench/shm_ab.py measures them). Writes
+all_reduce_<p>ranks.json and appends a section to report.md under --out.
 """
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ def report_lines(rows: list[dict], meta: dict) -> list[str]:
 
 def main() -> None:
     args = ab_parser(__doc__, block=10).parse_args()
-    comm = mpccs.init()
+    comm = mpccs.init(shm=False)  # the messages' paths: on 2 ranks the segments would carry both (bench/shm_ab.py)
     comm.set_path_policy("up")
     rows = []
     for k, nbytes in enumerate(SIZES):

@@ -1302,8 +1302,11 @@ DIRECT_MEDIUM_BUDGET = 2 << 20
 # DIRECT_MAX_BYTES: the payload never rides inline.
 DIRECT_BLOCKS_MIN_BYTES = 640 << 10
 # From here a 2-rank all_reduce on the direct path takes the shared-memory
-# segments where they are open (shm_steps.py; bench/shm_ab.py).
-DIRECT_SHM_MIN_BYTES = 256 << 10
+# segments where they are open (shm_steps.py). bench/results/shm/, two runs,
+# time without / with them: 1.05-1.08x at 384 KiB, 1.10-1.18x at 512 KiB,
+# 1.12-1.20x at 768 KiB-1.5 MiB, 1.04-1.05x below 2 MiB; at 256 KiB 0.95-1.01x
+# over four runs.
+DIRECT_SHM_MIN_BYTES = 384 << 10
 DIRECT_POOL_PER_SIZE = 4  # reusable DirectBuffers kept per size (operations in flight at once)
 DIRECT_POOL_SIZES = 32  # sizes kept
 DIRECT_POOL_BYTES = 32 << 20  # and at most this much memory in them (medium buffers are up to ~2 MiB)

@@ -25,7 +25,7 @@ Only the all_reduce: four local passes over a half (copy in, reduce, two
 copies out) pay against UCX's two exchanges and their sequencing, while a
 reduce_scatter or all_gather on the direct path is one exchange straight
 into the output, which the segments' two copies lost to (0.67-0.91x at
-256 KiB-2 MiB; bench/shm_ab.py --collective, with the steps of both).
+256 KiB-2 MiB, with both through these steps in bench/shm_ab.py, interleaved).
 """
 from __future__ import annotations
 
