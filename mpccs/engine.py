@@ -422,7 +422,8 @@ class Operation:
     stats_are_light = False  # True: its record holds nothing to count but the operation and its bytes; built later
     posts_when_built = False  # True: its constructor posted everything; nothing can have completed by submit()
     # True while it waits on a flag in shared memory (shm_steps.py): no plane event
-    # announces the peer's step, so the engine polls instead of sleeping on them.
+    # announces the peer's step, so the engine polls instead of sleeping on them
+    # while any such operation is active.
     polls_memory = False
 
     def __init__(self, engine: "Engine", seq: int):
@@ -1671,7 +1672,6 @@ class DirectShmAllReduceOp(DirectAllReduceOp):
     here, which was once the peer had taken everything from this outbox."""
 
     algorithm = "direct_shm"
-    polls_memory = True
 
     def __init__(self, engine, seq, send: np.ndarray, out: np.ndarray, op: str, world: int,
                  fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,
@@ -1714,6 +1714,13 @@ class DirectShmAllReduceOp(DirectAllReduceOp):
         self._release()
         self._complete()
         return True
+
+    @property
+    def polls_memory(self) -> bool:
+        """Only once the peer's fingerprint is here: it sends that first, so until
+        then a plane event wakes this rank, and a peer that comes late (uneven
+        work between collectives) costs no spinning."""
+        return not self._recvs
 
     def _release(self) -> None:
         if self.engine.shm_holder is self:
@@ -2455,7 +2462,7 @@ class Engine:
                 idle = 0
             else:
                 idle += 1
-                if idle > IDLE_SPINS_BEFORE_SLEEP and not op.polls_memory:
+                if idle > IDLE_SPINS_BEFORE_SLEEP and not any(o.polls_memory for o in self.active):
                     self.sleep_until_event(IDLE_SLEEP_S)
                 elif idle > IDLE_SPINS_BEFORE_YIELD:
                     # Ranks may share cores (2-core machines, oversubscribed

@@ -137,3 +137,30 @@ def test_operations_in_flight_take_the_segments_in_turn():
             assert exact == [True, True, True] and algorithm == "direct_shm"
     finally:
         pool.close()
+
+
+def late_peer_cpu(comm):
+    """Rank 1 comes 1 s late to an all_reduce through the segments: CPU seconds rank 0 spent waiting."""
+    import time
+
+    x = np.ones(300_000, np.float32)
+    comm.all_reduce(x, np.empty_like(x))  # warm
+    comm.barrier()
+    if comm.rank == 1:
+        time.sleep(1.0)
+    cpu = time.process_time()
+    out = comm.all_reduce(x, np.empty_like(x))
+    return time.process_time() - cpu, comm.last_stats()["algorithm"], float(out[0])
+
+
+def test_a_late_peer_costs_no_spinning():
+    """Until the peer's fingerprint message arrives the waiting rank sleeps on the
+    planes' events (the peer sends it before touching the segments); it polls the
+    flags only after (Operation.polls_memory)."""
+    pool = RankPool(2)
+    try:
+        (cpu0, algorithm, value), _ = pool.run(late_peer_cpu)
+        assert algorithm == "direct_shm" and value == 2.0
+        assert cpu0 < 0.4, f"rank 0 spent {cpu0:.2f} CPU seconds waiting 1 s for its peer"
+    finally:
+        pool.close()
