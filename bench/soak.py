@@ -126,8 +126,11 @@ def warm_receive_pools(comm) -> None:
     for policy in ("out", "up", 0.5):
         comm.set_path_policy(policy)
         for late in range(comm.size):
+            # (in place too: an in-place 2-rank all_reduce receives into the engine's kept
+            # scratch, where out of place the peer's half lands in the output)
             for run in (lambda: comm.all_to_all(blocks, out_blocks), lambda: comm.all_reduce(one, out_one),
-                        lambda: comm.all_gather(one, out_blocks), lambda: comm.reduce_scatter(blocks, out_one)):
+                        lambda: comm.all_reduce(out_one), lambda: comm.all_gather(one, out_blocks),
+                        lambda: comm.reduce_scatter(blocks, out_one)):
                 comm.barrier()
                 if comm.rank == late:
                     time.sleep(0.1)  # the peers' windows (4 MiB each over loopback: ~5 ms) queue up meanwhile
