@@ -29,7 +29,7 @@ import mpccs.comm as comm_module
 from mpccs.engine import DIRECT_MAX_BYTES
 
 sys.path.insert(0, os.path.dirname(__file__))
-from stats import ab_parser, ab_report_head, noise_floor, ratio_ci, slowest_rank, write_ab_results  # noqa: E402
+from stats import ab_meta, ab_parser, ab_report_head, noise_floor, ratio_ci, slowest_rank, write_ab_results  # noqa: E402
 
 SIZES = tuple(k << 10 for k in (256, 384, 512, 768, 1024, 1536, 2000))  # bounded by the direct path's bound
 MODES = ("full", "blocks", "full_again")
@@ -84,8 +84,7 @@ def main() -> None:
         if comm.rank == 0:
             print(f"# progress: {k + 1}/{len(SIZES)} sizes", flush=True)
     if comm.rank == 0:
-        meta = {"mpccs": mpccs.__version__, "iters": args.iters, "block": args.block, "world": comm.size,
-                "host": f"{os.uname().sysname} {os.uname().release}, {os.cpu_count()} CPUs"}
+        meta = ab_meta(comm, args, mpccs.__version__)
         write_ab_results(args.out, f"all_reduce_{comm.size}ranks.json", meta, rows, report_lines(rows, meta))
     comm.close()
 

@@ -25,7 +25,8 @@ import numpy as np
 import mpccs
 
 sys.path.insert(0, os.path.dirname(__file__))
-from stats import ab_parser, ab_report_head, noise_floor, ratio_ci, slowest_rank, write_ab_results  # noqa: E402
+from stats import (ab_meta, ab_parser, ab_report_head, noise_floor, ratio_ci, slowest_rank,  # noqa: E402
+                   write_ab_results)
 
 SIZES = (8 << 10, 32 << 10, 128 << 10, 512 << 10, 1 << 20, 3 << 19)  # the larger ones go direct on 2 ranks only
 MODES = ("direct", "dag", "dag_again")
@@ -116,9 +117,7 @@ def main() -> None:
         if comm.rank == 0:
             print(f"# progress: {k + 1}/{len(SIZES)} sizes", flush=True)
     if comm.rank == 0:
-        meta = {"mpccs": mpccs.__version__, "collective": args.collective, "iters": args.iters, "block": args.block,
-                "world": comm.size,
-                "host": f"{os.uname().sysname} {os.uname().release}, {os.cpu_count()} CPUs"}
+        meta = ab_meta(comm, args, mpccs.__version__, collective=args.collective)
         write_ab_results(args.out, f"{args.collective}_{comm.size}ranks.json", meta, rows,
                          report_lines(comm.size, rows, meta))
     comm.close()

@@ -28,6 +28,9 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(__file__))
+from stats import host_text  # noqa: E402
+
 BIN = os.path.dirname(sys.executable)
 
 
@@ -86,7 +89,7 @@ def main() -> None:
             rounds.append(one_round(k, args.min, args.max, args.iters, tmp))
             print(f"# progress: {k + 1}/{args.rounds} rounds", flush=True)
     meta = {"rounds": args.rounds, "iters": args.iters, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "host": f"{os.uname().sysname} {os.uname().release}, {os.cpu_count()} CPUs"}
+            "host": host_text()}
     with open(os.path.join(args.out, "rounds.json"), "w") as fh:
         json.dump({"meta": meta, "rounds": [{k: {str(s): t for s, t in v.items()} for k, v in r.items()}
                                             for r in rounds]}, fh, indent=1)

@@ -28,6 +28,7 @@ import mpccs
 from mpccs import comm as comm_module, engine, two_step
 
 sys.path.insert(0, os.path.dirname(__file__))
+from stats import host_text  # noqa: E402
 from two_step_ab import ByHand  # noqa: E402
 
 # (class, method, mark at entry, mark at exit), in the order an operation meets them
@@ -153,7 +154,7 @@ def main() -> None:
     per_rank = _gather_rows(comm, rows)
     if comm.rank == 0:
         meta = {"mpccs": mpccs.__version__, "size": args.size, "ops": args.ops,
-                "host": f"{os.uname().sysname} {os.uname().release}, {os.cpu_count()} CPUs"}
+                "host": host_text()}
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "timeline.json"), "w") as fh:
             json.dump({"meta": meta, "ranks": per_rank}, fh, indent=1)

@@ -53,6 +53,17 @@ def slowest_rank(comm, times: dict) -> dict:
     return {m: worst[k].tolist() for k, m in enumerate(modes)}
 
 
+def host_text() -> str:
+    """The machine a result came from, as every results file records it."""
+    return f"{os.uname().sysname} {os.uname().release}, {os.cpu_count()} CPUs"
+
+
+def ab_meta(comm, args, version: str, **extra) -> dict:
+    """What an in-process interleaved A/B benchmark records about its run (ab_parser's flags)."""
+    return {"mpccs": version, **extra, "iters": args.iters, "block": args.block, "world": comm.size,
+            "host": host_text()}
+
+
 def ab_parser(doc: str, block: int) -> argparse.ArgumentParser:
     """The flags of the in-process interleaved A/B benchmarks (direct_ab, two_step_ab)."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])

@@ -27,7 +27,8 @@ import mpccs
 from mpccs import wire
 
 sys.path.insert(0, os.path.dirname(__file__))
-from stats import ab_parser, ab_report_head, noise_floor, ratio_ci, slowest_rank, write_ab_results  # noqa: E402
+from stats import (ab_meta, ab_parser, ab_report_head, noise_floor, ratio_ci, slowest_rank,  # noqa: E402
+                   write_ab_results)
 
 SIZES = tuple(m << 20 for m in (2, 4, 8, 16))
 MODES = ("two_step", "dag", "dag_again", "by_hand")
@@ -154,9 +155,7 @@ def main() -> None:
         if comm.rank == 0:
             print(f"# progress: {k + 1}/{len(SIZES)} sizes", flush=True)
     if comm.rank == 0:
-        meta = {"mpccs": mpccs.__version__, "collective": args.collective, "iters": args.iters, "block": args.block,
-                "world": comm.size,
-                "host": f"{os.uname().sysname} {os.uname().release}, {os.cpu_count()} CPUs"}
+        meta = ab_meta(comm, args, mpccs.__version__, collective=args.collective)
         write_ab_results(args.out, f"{args.collective}_2ranks.json", meta, rows, report_lines(rows, meta))
     comm.close()
 

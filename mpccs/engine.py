@@ -1404,7 +1404,7 @@ class DirectAllReduceOp(Operation):
     def _post_medium(self, send: np.ndarray, world: int, layout: "DirectLayout") -> None:
         """Post a medium operation's messages: each fingerprint message, then the
         payload under its own tag, straight from the caller's array."""
-        engine, buffers, me, nbytes = self.engine, self._buffers, self.engine.rank, self.mine.nbytes
+        engine, me, nbytes = self.engine, self.engine.rank, self.mine.nbytes
         data_tag = wire.make_tag(wire.KIND_CTRL, engine.comm_id, self.wire_seq, 0, wire.CTRL_DIRECT_DATA)
         for row, peer in enumerate(layout.others):
             plane = engine.control_plane(peer)
