@@ -15,6 +15,14 @@ from rankpool import RankPool
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory segments need x86-64 and /dev/shm")
 
 
+@pytest.fixture(scope="module")
+def pool():
+    """2 ranks on this host, default options: the segments open (the cases below share it)."""
+    ranks = RankPool(2)
+    yield ranks
+    ranks.close()
+
+
 # -- the steps, both ranks in this process ------------------------------------
 def _pairs():
     """Two anonymous shared mappings standing in for the two ranks' segments."""
@@ -83,13 +91,9 @@ def segments_state(comm):
     return comm._engine.shm is not None, left, comm.last_stats()["algorithm"], bool(np.all(out == x / (comm.rank + 1) * 3))
 
 
-def test_two_ranks_on_one_host_open_the_segments_and_leave_no_file():
-    pool = RankPool(2)
-    try:
-        for is_open, left, algorithm, exact in pool.run(segments_state):
-            assert is_open and left == [] and algorithm == "direct_shm" and exact
-    finally:
-        pool.close()
+def test_two_ranks_on_one_host_open_the_segments_and_leave_no_file(pool):
+    for is_open, left, algorithm, exact in pool.run(segments_state):
+        assert is_open and left == [] and algorithm == "direct_shm" and exact
 
 
 def init_with_segments_on_rank0_only(kwargs):
@@ -130,13 +134,9 @@ def async_calls_in_flight(comm):
     return [bool(np.array_equal(o, e)) for o, e in zip(outs, expected)], comm.last_stats()["algorithm"]
 
 
-def test_operations_in_flight_take_the_segments_in_turn():
-    pool = RankPool(2)
-    try:
-        for exact, algorithm in pool.run(async_calls_in_flight):
-            assert exact == [True, True, True] and algorithm == "direct_shm"
-    finally:
-        pool.close()
+def test_operations_in_flight_take_the_segments_in_turn(pool):
+    for exact, algorithm in pool.run(async_calls_in_flight):
+        assert exact == [True, True, True] and algorithm == "direct_shm"
 
 
 def late_peer_cpu(comm):
@@ -153,14 +153,35 @@ def late_peer_cpu(comm):
     return time.process_time() - cpu, comm.last_stats()["algorithm"], float(out[0])
 
 
-def test_a_late_peer_costs_no_spinning():
+def test_a_late_peer_costs_no_spinning(pool):
     """Until the peer's fingerprint message arrives the waiting rank sleeps on the
     planes' events (the peer sends it before touching the segments); it polls the
     flags only after (Operation.polls_memory)."""
-    pool = RankPool(2)
-    try:
-        (cpu0, algorithm, value), _ = pool.run(late_peer_cpu)
-        assert algorithm == "direct_shm" and value == 2.0
-        assert cpu0 < 0.4, f"rank 0 spent {cpu0:.2f} CPU seconds waiting 1 s for its peer"
-    finally:
-        pool.close()
+    (cpu0, algorithm, value), _ = pool.run(late_peer_cpu)
+    assert algorithm == "direct_shm" and value == 2.0
+    assert cpu0 < 0.4, f"rank 0 spent {cpu0:.2f} CPU seconds waiting 1 s for its peer"
+
+
+def every_op_through_the_segments(comm):
+    """sum, prod, min, max and avg through the segments, out of place and in place, against numpy."""
+    n = 150_001  # 600 KB of float32: from DIRECT_SHM_MIN_BYTES, odd halves
+    rows = []
+    for dtype in (np.float32, np.int32):
+        ins = [((np.arange(n) % 5) + 1 + r).astype(dtype) for r in range(2)]
+        for op, fold in (("sum", np.add), ("prod", np.multiply), ("min", np.minimum), ("max", np.maximum)):
+            expected = fold(ins[0], ins[1]).astype(dtype)
+            for in_place in (False, True):
+                x = ins[comm.rank].copy()
+                got = comm.all_reduce(x, op=op) if in_place else comm.all_reduce(x, np.empty_like(x), op=op)
+                rows.append((str(np.dtype(dtype)), op, in_place, comm.last_stats()["algorithm"],
+                             got.tobytes() == expected.tobytes()))
+    x = ins[comm.rank].astype(np.float32)
+    avg = comm.all_reduce(x, np.empty_like(x), op="avg")
+    rows.append(("float32", "avg", False, comm.last_stats()["algorithm"],
+                 bool(np.array_equal(avg, (ins[0].astype(np.float32) + ins[1].astype(np.float32)) / 2))))
+    return rows
+
+
+def test_every_op_through_the_segments_matches_numpy(pool):
+    for rows in pool.run(every_op_through_the_segments):
+        assert len(rows) == 17 and all(alg == "direct_shm" and exact for *_, alg, exact in rows), rows
