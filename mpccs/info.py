@@ -25,6 +25,8 @@ def collect(comm) -> dict:
         "domains": comm.domains,
         "path_policy": str(comm.path_policy),
         "qos": {"out_cap_share": comm.options.out_cap_share, "out_cap_rate_Bps": comm.options.out_cap_rate_Bps},
+        # 2 ranks on one host: the shared-memory segments a medium all_reduce takes (transports/shm.py)
+        "shm_segments": comm._engine.shm is not None,
         "planes": {
             name: {
                 "tls": plane.tls,
@@ -45,6 +47,8 @@ def render(info: dict) -> str:
         f"# path policy: {info['path_policy']}",
         f"# qos: out_cap_share={info['qos']['out_cap_share']:g}  out_cap_rate="
         + ("none" if info["qos"]["out_cap_rate_Bps"] is None else f"{info['qos']['out_cap_rate_Bps'] * 8 / 1e6:g} Mbit/s (paced)"),
+        "# shared-memory segments: " + ("open (2-rank medium all_reduce)" if info["shm_segments"] else
+                                        "closed (not 2 ranks on one host with a shared-memory 'up', or MPCCS_SHM=0)"),
     ]
     for name, p in info["planes"].items():
         lines.append(

@@ -132,6 +132,17 @@ def test_a_bad_setting_is_a_one_line_usage_error(tool, argv, env, message):
     assert "Traceback" not in p.stderr
 
 
+def test_info_says_whether_the_shared_memory_segments_are_open():
+    runs = {}
+    for shm_setting in ("1", "0"):
+        p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "2", os.path.join(BIN, "mpccs-info")],
+                           capture_output=True, text=True, timeout=120, env=dict(clean_env(), MPCCS_SHM=shm_setting))
+        assert p.returncode == 0, p.stderr
+        runs[shm_setting] = sorted(line.split("segments: ")[1].split()[0]
+                                   for line in p.stdout.splitlines() if "shared-memory segments:" in line)
+    assert runs == {"1": ["open", "open"], "0": ["closed", "closed"]}
+
+
 def test_info_reports_the_qos_caps():
     p = subprocess.run([os.path.join(BIN, "mpccs-info"), "--json"], capture_output=True, text=True, timeout=120,
                        env=dict(clean_env(), MPCCS_OUT_CAP_RATE="250mbit", MPCCS_OUT_CAP="0.3"))
