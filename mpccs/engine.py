@@ -1883,8 +1883,22 @@ def fp_blob_capacity(engine, world: int) -> int:
 # ---------------------------------------------------------------------------
 # point-to-point
 # ---------------------------------------------------------------------------
+# Point-to-point messages up to this size ride inside their header message on
+# the control plane (P2P_INLINE in the header's size word) under the policies
+# that would send them there ('up', and 'adaptive', which keeps small flows on
+# one plane): the payload then travels with the request instead of after the
+# receiver's accept, one message and one reply instead of three messages.
+# Every receive posts room for it (a pooled inbox, Engine.p2p_inbox), so a
+# sender's choice needs no agreement.
+P2P_INLINE_MAX_BYTES = 64 << 10
+P2P_INBOX_BYTES = 8 + P2P_INLINE_MAX_BYTES  # what every receive has room for (fixed: senders may inline less)
+P2P_INLINE = 1 << 63
+P2P_INBOXES_KEPT = 16  # pooled receive buffers (receives in flight at once reuse them)
+
+
 class SendOp(Operation):
-    """Header -> wait for the receiver's accept -> chunks on both planes."""
+    """Header -> wait for the receiver's accept -> chunks on both planes; or
+    (small, P2P_INLINE_MAX_BYTES) the header with the payload inside -> the accept."""
 
     name = "send"
 
@@ -1895,10 +1909,17 @@ class SendOp(Operation):
         self.splitter = splitter
         self.chunk_bytes = chunk_bytes
         self.ctrl = engine.control_plane(dst)
-        header = np.array([buf.nbytes], dtype=np.uint64)
+        self.inline = buf.nbytes <= P2P_INLINE_MAX_BYTES and splitter.name in (UP, "adaptive")
+        if self.inline:
+            header = np.empty(8 + buf.nbytes, dtype=np.uint8)
+            header[:8].view(np.uint64)[0] = buf.nbytes | P2P_INLINE
+            header[8:] = buf
+            self.bytes_per_plane[self.ctrl.name] += buf.nbytes
+        else:
+            header = np.array([buf.nbytes], dtype=np.uint64).view(np.uint8)
         self._header = header
         me = engine.rank
-        self._header_req = self.ctrl.send(dst, header.view(np.uint8), wire.make_tag(wire.KIND_CTRL, engine.comm_id, seq, me, wire.CTRL_P2P_HEADER))
+        self._header_req = self.ctrl.send(dst, header, wire.make_tag(wire.KIND_CTRL, engine.comm_id, seq, me, wire.CTRL_P2P_HEADER))
         self._reply = np.zeros(2, dtype=np.uint64)
         self._reply_req = self.ctrl.recv(
             self._reply.view(np.uint8), wire.make_tag(wire.KIND_CTRL, engine.comm_id, seq, dst, wire.CTRL_P2P_REPLY)
@@ -1919,6 +1940,9 @@ class SendOp(Operation):
                     f"rank {self.engine.rank}: send of {self.buf.nbytes} bytes to rank {self.dst} refused: "
                     f"the receiver posted {int(self._reply[1])} bytes"
                 )
+            if self.inline:  # the payload went with the header
+                self._finish()
+                return True
             flow = Flow(id=0, src=self.engine.rank, dst=self.dst, src_buf="in", src_off=0, dst_buf="out", dst_off=0, count=self.buf.nbytes)
             plan = self.splitter.plan([(flow, self.buf.nbytes)], time.perf_counter())
             self.window = plan.window_bytes
@@ -1991,9 +2015,10 @@ class RecvOp(Operation):
         self.src = src
         self.chunk_bytes = chunk_bytes
         self.ctrl = engine.control_plane(src)
-        self._header = np.zeros(1, dtype=np.uint64)
+        self._inbox = engine.p2p_inbox()  # room for a header with its payload inside (SendOp.inline)
         cid, me = engine.comm_id, engine.rank
-        self._header_req = self.ctrl.recv(self._header.view(np.uint8), wire.make_tag(wire.KIND_CTRL, cid, seq, src, wire.CTRL_P2P_HEADER))
+        self._header_req = self.ctrl.recv(self._inbox, wire.make_tag(wire.KIND_CTRL, cid, seq, src, wire.CTRL_P2P_HEADER))
+        self._inline_done = False
         self._reply = np.zeros(2, dtype=np.uint64)
         self._reply_req = None
         self._reply_tag = wire.make_tag(wire.KIND_CTRL, cid, seq, me, wire.CTRL_P2P_REPLY)
@@ -2009,7 +2034,8 @@ class RecvOp(Operation):
             except Exception as exc:  # a header longer than 8 bytes arrives truncated
                 raise ProtocolError(f"malformed point-to-point header: {type(exc).__name__}: {exc}",
                                     rank=self.engine.rank, peer=self.src, op="recv") from None
-            sent = int(self._header[0])
+            word = int(self._inbox[:8].view(np.uint64)[0])
+            sent, inline = word & ~P2P_INLINE, bool(word & P2P_INLINE)
             ok = sent == self.buf.nbytes
             self._reply[:] = (1 if ok else 0, self.buf.nbytes)
             self._reply_req = self.ctrl.send(self.src, self._reply.view(np.uint8), self._reply_tag)
@@ -2019,11 +2045,19 @@ class RecvOp(Operation):
                     f"rank {self.engine.rank}: receive of {self.buf.nbytes} bytes from rank {self.src} "
                     f"does not match the {sent} bytes sent; nothing was written"
                 )
+            if inline:
+                self.buf[...] = self._inbox[8:8 + sent]
+                self.bytes_per_plane[self.ctrl.name] += sent
+                self._inline_done = True
+                self._finish_inline()
+                return True
             flow = Flow(id=0, src=self.src, dst=self.engine.rank, src_buf="in", src_off=0, dst_buf="out", dst_off=0, count=sent)
             ce = flow_chunk_elems(sent, self.chunk_bytes, MIN_CHUNK_BYTES)
             tag = wire.make_tag(wire.KIND_P2P, self.engine.comm_id, self.seq, self.src)
             self.inflow = InFlow(flow, self.buf, ce, tag, self.engine.planes_from(self.src))
             return True
+        if self._inline_done:
+            return self._finish_inline()
         moved = False
         for plane in self.inflow.planes:
             while True:
@@ -2055,6 +2089,14 @@ class RecvOp(Operation):
             self._finish()
             return True
         return moved
+
+    def _finish_inline(self) -> bool:
+        """An inline message is placed: done once the accept has gone (its buffer is this op's)."""
+        if not self._reply_req.completed:
+            return False
+        self.engine.give_p2p_inbox(self._inbox)
+        self._finish()
+        return True
 
     def _drain_reply(self) -> None:
         deadline = time.perf_counter() + 5
@@ -2093,6 +2135,7 @@ class Engine:
         self._direct_pool: dict[tuple, list] = {}  # DirectBuffers by DirectBuffers.key
         self._two_step_scratch: Optional[np.ndarray] = None  # see two_step_scratch()
         self.shm = None  # transports.shm.ShmPair of a 2-rank job on one host (the communicator opens it)
+        self._p2p_inboxes: list[np.ndarray] = []  # see p2p_inbox()
         self.shm_holder: Optional[Operation] = None  # the operation whose steps use the segments now
         self._direct_pool_bytes = 0
         self._last_direct: Optional[DirectBuffers] = None  # see give_direct_buffers()
@@ -2230,6 +2273,15 @@ class Engine:
             self._scratch_pooled -= size
             return pool.pop()
         return np.empty(size, dtype=np.uint8)
+
+    def p2p_inbox(self) -> np.ndarray:
+        """A receive buffer for a point-to-point header with up to P2P_INLINE_MAX_BYTES inside."""
+        return self._p2p_inboxes.pop() if self._p2p_inboxes else np.empty(P2P_INBOX_BYTES, dtype=np.uint8)
+
+    def give_p2p_inbox(self, inbox: np.ndarray) -> None:
+        """Back to the pool once its receive completed (a failed one's may still be written: dropped)."""
+        if len(self._p2p_inboxes) < P2P_INBOXES_KEPT:
+            self._p2p_inboxes.append(inbox)
 
     def two_step_scratch(self, nbytes: int) -> np.ndarray:
         """The two-step executor's receive buffer (one: collectives run one at a

@@ -102,6 +102,70 @@ def test_async_messages_complete_in_any_order(pool):
     assert pool.run(many_in_flight) == [True, True]
 
 
+def small_in_flight(comm, count=8):
+    """Messages that ride inside their header (P2P_INLINE_MAX_BYTES), many at once, waited on out of order."""
+    peer = 1 - comm.rank
+    sizes = [0, 1, 7, 4096, 65535, 65536, 3, 100][:count]
+    sends = [comm.isend(pattern(n, salt=i + comm.rank), peer) for i, n in enumerate(sizes)]
+    bufs = [np.zeros(n, np.uint8) for n in sizes]
+    recvs = [comm.irecv(b, peer) for b in bufs]
+    for w in reversed(recvs):
+        w.wait()
+    for w in sends:
+        w.wait()
+    return all(np.array_equal(b, pattern(n, salt=i + peer)) for i, (b, n) in enumerate(zip(bufs, sizes)))
+
+
+def test_small_messages_in_flight_complete_in_any_order(pool):
+    assert pool.run(small_in_flight) == [True, True]
+
+
+def inline_boundary(comm):
+    """Exactly P2P_INLINE_MAX_BYTES rides inline, one byte more goes by rendezvous; both exact."""
+    from mpccs.engine import P2P_INLINE_MAX_BYTES
+
+    out = []
+    for n in (P2P_INLINE_MAX_BYTES, P2P_INLINE_MAX_BYTES + 1):
+        if comm.rank == 0:
+            comm.send(pattern(n, salt=n), 1)
+            out.append(comm.last_stats()["bytes_per_plane"])
+        else:
+            buf = np.zeros(n, np.uint8)
+            comm.recv(buf, 0)
+            out.append(bool(np.array_equal(buf, pattern(n, salt=n))))
+    return out
+
+
+def test_the_inline_bound_both_ways(pool):
+    sent, received = pool.run(inline_boundary)
+    assert received == [True, True] and [sum(b.values()) for b in sent] == [65536, 65537]
+
+
+def mismatch_across_the_inline_bound(comm, small_sender: bool):
+    """One side under the inline bound, the other over it: both raise, nothing written."""
+    small, large = 1000, 100_000
+    try:
+        if comm.rank == 0:
+            comm.send(np.zeros(small if small_sender else large, np.uint8), 1)
+        else:
+            buf = np.full(large if small_sender else small, 3, np.uint8)
+            try:
+                comm.recv(buf, 0)
+            finally:
+                assert (buf == 3).all(), "a mismatched receive wrote into the buffer"
+    except mpccs.MismatchError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("small_sender", [True, False])
+def test_size_mismatch_across_the_inline_bound_fails_on_both_sides(pool, small_sender):
+    sender, receiver = pool.run(mismatch_across_the_inline_bound, small_sender)
+    assert sender and "refused" in sender
+    assert receiver and "does not match" in receiver
+    pool.run(exchange, "up", 1000)  # and the pair still talks
+
+
 def bad_arguments(comm):
     errors = []
     for call in (
