@@ -687,7 +687,7 @@ class Communicator:
     def _through_segments(self, send: np.ndarray) -> bool:
         """A direct all_reduce the shared-memory segments carry (DirectShmAllReduceOp):
         2 ranks with the segments open, from DIRECT_SHM_MIN_BYTES, halves within the outbox."""
-        return (self._engine.shm is not None and send.nbytes >= DIRECT_SHM_MIN_BYTES
+        return (send.nbytes >= DIRECT_SHM_MIN_BYTES and self._engine.shm is not None
                 and shm_steps.fits(send.nbytes - send.nbytes // 2))
 
     def _avg(self, op, buf):

@@ -421,6 +421,7 @@ class Operation:
     name = "op"
     stats_are_light = False  # True: its record holds nothing to count but the operation and its bytes; built later
     posts_when_built = False  # True: its constructor posted everything; nothing can have completed by submit()
+    spin_planes: tuple = ()  # the planes its messages use, where it knows (Engine._spin_alone); () = all
     # True while it waits on a flag in shared memory (shm_steps.py): no plane event
     # announces the peer's step, so the engine polls instead of sleeping on them
     # while any such operation is active.
@@ -1371,6 +1372,8 @@ class DirectAllReduceOp(Operation):
     def _post_fingerprint(self, row: int, peer: int, plane, layout: "DirectLayout") -> None:
         """This rank's fingerprint message to ``peer`` (row ``row`` of the layout), and the receive of the peer's."""
         seq, buffers = wire.seq_bits(self.wire_seq), self._buffers
+        if plane not in self.spin_planes:
+            self.spin_planes += (plane,)
         self._sends.append(plane.send(peer, buffers.payload, layout.send_tag | seq, buffers.payload_desc))
         self._recvs.append((plane.recv(buffers.rows[row], layout.recv_tags[row] | seq, desc=buffers.row_descs[row]),
                             peer, row, plane, False))
@@ -2497,9 +2500,13 @@ class Engine:
         posted everything when built (a direct one), drive it alone: what
         progress() does but for the operations it need not look at (~1 us of
         an 8-byte all_reduce). Not past a due control poll, nor past
-        ALONE_SPINS rounds: then _drive takes over, with its stall watch."""
+        ALONE_SPINS rounds: then _drive takes over, with its stall watch. Only
+        the planes its messages use (a tcp plane's progress is ~1 us of nothing
+        for an operation on shared memory)."""
+        planes = op.spin_planes or tuple(self.planes.values())
         for _ in range(ALONE_SPINS):
-            self.progress_planes()
+            for plane in planes:
+                plane.progress()
             if op.advance() and op.finished:
                 self.active.remove(op)
                 return

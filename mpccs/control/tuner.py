@@ -81,6 +81,8 @@ class TuneOverride:
     multipath: Optional[bool] = None   # global multipath=0/1
 
     def match(self, collective: str, nbytes: int) -> Optional[TuneRule]:
+        if not self.rules:  # MPCCS_TUNE unset: asked on every call, the 8-byte all_reduce's too
+            return None
         return next((r for r in self.rules if r.matches(collective, nbytes)), None)
 
 
