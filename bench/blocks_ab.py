@@ -29,7 +29,7 @@ import mpccs.comm as comm_module
 from mpccs.engine import DIRECT_MAX_BYTES
 
 sys.path.insert(0, os.path.dirname(__file__))
-from stats import ab_meta, ab_parser, ab_report_head, noise_floor, ratio_ci, slowest_rank, write_ab_results  # noqa: E402
+from stats import ab_cells, ab_meta, ab_parser, ab_report_head, slowest_rank, write_ab_results  # noqa: E402
 
 SIZES = tuple(k << 10 for k in (256, 384, 512, 768, 1024, 1536, 2000))  # bounded by the direct path's bound
 MODES = ("full", "blocks", "full_again")
@@ -65,10 +65,7 @@ def report_lines(rows: list[dict], meta: dict) -> list[str]:
                            "|---:|---:|---:|---:|---:|")
     for row in rows:
         t = row["times_s"]
-        point, lo, hi = ratio_ci(t["blocks"], t["full"], paired=True)  # time(full) / time(blocks)
-        lines.append(f"| {row['size'] >> 10} KiB | {1e6 * np.median(t['full']):.0f} | "
-                     f"{1e6 * np.median(t['blocks']):.0f} | {point:.2f} [{lo:.2f}, {hi:.2f}] | "
-                     f"{noise_floor(t['full'], t['full_again']):.2f} |")
+        lines.append(f"| {row['size'] >> 10} KiB | {ab_cells(t, 'full', 'blocks', 'full_again')} |")
     return lines + [""]
 
 

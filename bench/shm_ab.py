@@ -27,7 +27,7 @@ import numpy as np
 import mpccs
 
 sys.path.insert(0, os.path.dirname(__file__))
-from stats import ab_meta, ab_parser, ab_report_head, noise_floor, ratio_ci, slowest_rank, write_ab_results  # noqa: E402
+from stats import ab_cells, ab_meta, ab_parser, ab_report_head, slowest_rank, write_ab_results  # noqa: E402
 
 SIZES = tuple(k << 10 for k in (64, 128, 256, 384, 512, 768, 1024, 1536, 2000))  # the direct path's, 2 ranks
 MODES = ("messages", "shm", "messages_again")
@@ -63,11 +63,8 @@ def report_lines(rows: list[dict], meta: dict) -> list[str]:
                            "|---:|---:|---:|---:|---:|---|")
     for row in rows:
         t = row["times_s"]
-        point, lo, hi = ratio_ci(t["shm"], t["messages"], paired=True)  # time(messages) / time(shm)
         paths = f"{row['algorithm']['messages']} / {row['algorithm']['shm']}"
-        lines.append(f"| {row['size'] >> 10} KiB | {1e6 * np.median(t['messages']):.0f} | "
-                     f"{1e6 * np.median(t['shm']):.0f} | {point:.2f} [{lo:.2f}, {hi:.2f}] | "
-                     f"{noise_floor(t['messages'], t['messages_again']):.2f} | {paths} |")
+        lines.append(f"| {row['size'] >> 10} KiB | {ab_cells(t, 'messages', 'shm', 'messages_again')} | {paths} |")
     return lines + [""]
 
 

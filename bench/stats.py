@@ -64,6 +64,14 @@ def ab_meta(comm, args, version: str, **extra) -> dict:
             "host": host_text()}
 
 
+def ab_cells(times: dict, before: str, after: str, before_again: str) -> str:
+    """The cells of an A/B row: median us before and after, the speedup time(before) / time(after)
+    with its paired 95% interval, and the A/A floor of ``before`` against ``before_again``."""
+    point, lo, hi = ratio_ci(times[after], times[before], paired=True)
+    return (f"{1e6 * np.median(times[before]):.0f} | {1e6 * np.median(times[after]):.0f} | "
+            f"{point:.2f} [{lo:.2f}, {hi:.2f}] | {noise_floor(times[before], times[before_again]):.2f}")
+
+
 def ab_parser(doc: str, block: int) -> argparse.ArgumentParser:
     """The flags of the in-process interleaved A/B benchmarks (direct_ab, two_step_ab)."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
