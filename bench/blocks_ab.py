@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -29,21 +28,18 @@ import mpccs.comm as comm_module
 from mpccs.engine import DIRECT_MAX_BYTES
 
 sys.path.insert(0, os.path.dirname(__file__))
-from stats import ab_cells, ab_meta, ab_parser, ab_report_head, slowest_rank, write_ab_results  # noqa: E402
+from stats import (ab_cells, ab_meta, ab_parser, ab_report_head, slowest_rank, time_block,  # noqa: E402
+                   write_ab_results)
 
 SIZES = tuple(k << 10 for k in (256, 384, 512, 768, 1024, 1536, 2000))  # bounded by the direct path's bound
 MODES = ("full", "blocks", "full_again")
 BLOCKS_FROM = {"full": 1 << 62, "blocks": DIRECT_MAX_BYTES + 1, "full_again": 1 << 62}
 
 
-def time_block(comm, x: np.ndarray, out: np.ndarray, mode: str, block: int) -> float:
+def time_mode(comm, x: np.ndarray, out: np.ndarray, mode: str, block: int) -> float:
     comm_module.DIRECT_BLOCKS_MIN_BYTES = BLOCKS_FROM[mode]
-    comm.all_reduce(x, out)
-    comm.barrier()
-    t0 = time.perf_counter()
-    for _ in range(block):
-        comm.all_reduce(x, out)
-    return (time.perf_counter() - t0) / block
+    comm.all_reduce(x, out)  # one call on the mode's path first
+    return time_block(comm, lambda: comm.all_reduce(x, out), block)
 
 
 def measure(comm, nbytes: int, iters: int, block: int, warmup: int) -> dict:
@@ -52,7 +48,7 @@ def measure(comm, nbytes: int, iters: int, block: int, warmup: int) -> dict:
     path = {}
     for i in range(warmup + iters):
         for mode in MODES:
-            t = time_block(comm, x, out, mode, block)
+            t = time_mode(comm, x, out, mode, block)
             path[mode] = comm.last_stats()["algorithm"]
             if i >= warmup:
                 times[mode].append(t)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -26,7 +25,7 @@ import mpccs
 
 sys.path.insert(0, os.path.dirname(__file__))
 from stats import (ab_meta, ab_parser, ab_report_head, noise_floor, ratio_ci, slowest_rank,  # noqa: E402
-                   write_ab_results)
+                   time_block, write_ab_results)
 
 SIZES = (8 << 10, 32 << 10, 128 << 10, 512 << 10, 1 << 20, 3 << 19)  # the larger ones go direct on 2 ranks only
 MODES = ("direct", "dag", "dag_again")
@@ -51,14 +50,6 @@ def one_call(comm, collective: str, x, out, algorithm) -> None:
         getattr(comm, collective)(x, out, algorithm=algorithm)
 
 
-def time_block(comm, collective, x, out, algorithm, block: int) -> float:
-    comm.barrier()
-    t0 = time.perf_counter()
-    for _ in range(block):
-        one_call(comm, collective, x, out, algorithm)
-    return (time.perf_counter() - t0) / block
-
-
 def measure(comm, collective: str, nbytes: int, iters: int, block: int, warmup: int) -> dict:
     x, out = buffers(comm, collective, nbytes)
     call_bytes = nbytes * (1 if collective in ("all_reduce", "broadcast", "reduce") else comm.size)
@@ -67,7 +58,7 @@ def measure(comm, collective: str, nbytes: int, iters: int, block: int, warmup: 
     times = {mode: [] for mode in MODES}
     for i in range(warmup + iters):
         for mode in MODES:
-            t = time_block(comm, collective, x, out, algorithms[mode], block)
+            t = time_block(comm, lambda: one_call(comm, collective, x, out, algorithms[mode]), block)
             if i >= warmup:
                 times[mode].append(t)
     path = {mode: None for mode in MODES}

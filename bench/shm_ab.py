@@ -20,27 +20,23 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import numpy as np
 
 import mpccs
 
 sys.path.insert(0, os.path.dirname(__file__))
-from stats import ab_cells, ab_meta, ab_parser, ab_report_head, slowest_rank, write_ab_results  # noqa: E402
+from stats import (ab_cells, ab_meta, ab_parser, ab_report_head, slowest_rank, time_block,  # noqa: E402
+                   write_ab_results)
 
 SIZES = tuple(k << 10 for k in (64, 128, 256, 384, 512, 768, 1024, 1536, 2000))  # the direct path's, 2 ranks
 MODES = ("messages", "shm", "messages_again")
 
 
-def time_block(comm, pair, x: np.ndarray, out: np.ndarray, mode: str, block: int) -> float:
+def time_mode(comm, pair, x: np.ndarray, out: np.ndarray, mode: str, block: int) -> float:
     comm._engine.shm = pair if mode == "shm" else None  # both ranks switch between the same operations
-    comm.all_reduce(x, out)
-    comm.barrier()
-    t0 = time.perf_counter()
-    for _ in range(block):
-        comm.all_reduce(x, out)
-    return (time.perf_counter() - t0) / block
+    comm.all_reduce(x, out)  # one call on the mode's path first
+    return time_block(comm, lambda: comm.all_reduce(x, out), block)
 
 
 def measure(comm, pair, nbytes: int, iters: int, block: int, warmup: int) -> dict:
@@ -49,7 +45,7 @@ def measure(comm, pair, nbytes: int, iters: int, block: int, warmup: int) -> dic
     path = {}
     for i in range(warmup + iters):
         for mode in MODES:
-            t = time_block(comm, pair, x, out, mode, block)
+            t = time_mode(comm, pair, x, out, mode, block)
             path[mode] = comm.last_stats()["algorithm"]
             if i >= warmup:
                 times[mode].append(t)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import numpy as np
 
@@ -51,6 +52,15 @@ def slowest_rank(comm, times: dict) -> dict:
     local = np.array([times[m] for m in modes], np.float64)
     worst = comm.all_reduce(local, np.empty_like(local), op="max")
     return {m: worst[k].tolist() for k, m in enumerate(modes)}
+
+
+def time_block(comm, call, block: int) -> float:
+    """Seconds per call of ``block`` back-to-back calls after a barrier (this rank's clock)."""
+    comm.barrier()
+    t0 = time.perf_counter()
+    for _ in range(block):
+        call()
+    return (time.perf_counter() - t0) / block
 
 
 def host_text() -> str:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -28,7 +27,7 @@ from mpccs import wire
 
 sys.path.insert(0, os.path.dirname(__file__))
 from stats import (ab_meta, ab_parser, ab_report_head, noise_floor, ratio_ci, slowest_rank,  # noqa: E402
-                   write_ab_results)
+                   time_block, write_ab_results)
 
 SIZES = tuple(m << 20 for m in (2, 4, 8, 16))
 MODES = ("two_step", "dag", "dag_again", "by_hand")
@@ -82,14 +81,6 @@ def one_call(comm, collective: str, x, out, algorithm) -> None:
         comm.all_reduce(x, algorithm=algorithm)
     else:
         getattr(comm, collective)(x, out, algorithm=algorithm)
-
-
-def time_block(comm, call, block: int) -> float:
-    comm.barrier()
-    t0 = time.perf_counter()
-    for _ in range(block):
-        call()
-    return (time.perf_counter() - t0) / block
 
 
 def measure(comm, collective: str, nbytes: int, iters: int, block: int, warmup: int) -> dict:

@@ -1680,7 +1680,7 @@ class DirectShmAllReduceOp(DirectAllReduceOp):
                  fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,
                  name: str = "all_reduce"):
         super().__init__(engine, seq, send, out, op, world, fingerprint, finalize, name)
-        self._pair, self._send = engine.shm, send
+        self._pair = engine.shm  # the segments this call was chosen for (the engine's may change later)
         self._steps: Optional[ShmSteps] = None
         self._start_steps()
         self.bytes_per_plane[UP] += send.nbytes  # its part of the peer's half, then the peer's copy of its own
@@ -1690,7 +1690,7 @@ class DirectShmAllReduceOp(DirectAllReduceOp):
         if self.engine.shm_holder is not None:
             return False
         self.engine.shm_holder = self
-        self._steps = ShmSteps(self._pair, self.seq, self.engine.rank, self._send, self.out, self.op)
+        self._steps = ShmSteps(self._pair, self.seq, self.engine.rank, self.mine, self.out, self.op)
         return True
 
     def _own_input(self, send: np.ndarray, out: np.ndarray, me: int, world: int) -> np.ndarray:
