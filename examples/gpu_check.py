@@ -9,11 +9,12 @@ with CUDA tensors; results checked against host references, a short timing table
 Without a GPU it prints "no GPU: skipped" and exits 0. With a GPU but neither
 cupy nor a CUDA build of torch it exits 2 (install 'mpccs[gpu]').
 
-Memory path: the Communicator takes cupy arrays and stages them through pinned
-host mirrors itself (mpccs.staging: device -> host before any byte moves, the
-collective on the mirrors, host -> device at completion); the torch backend
-stages CUDA tensors through pinned host tensors the same way. The table says
-which path ran.
+Memory path: the Communicator takes cupy arrays; on GPU-direct planes (cupy
+sees a GPU on every rank, MPCCS_GPU_DIRECT not 0) the planes read and write them
+in place (cuda_ipc / cuda_copy), else it stages them through pinned host mirrors
+(mpccs.staging: device -> host before any byte moves, the collective on the
+mirrors, host -> device at completion); the torch backend passes CUDA tensors
+the same way (cupy views, or pinned host tensors). The table says which path ran.
 Exit code: 0 when every check passed, 1 when one failed, 124 on timeout.
 """
 from __future__ import annotations
@@ -305,6 +306,7 @@ def mpccs_case(comm, dev, direct: bool, name: str, n: int, iters: int, warmup: i
     out_count = output_count(name, rank, size, n)
     out = None
     times = []
+    memory = "staged via host"  # the path the call took (mpccs says in its stats)
     for it in range(warmup + iters):
         comm.barrier()
         dev.sync()
@@ -312,6 +314,8 @@ def mpccs_case(comm, dev, direct: bool, name: str, n: int, iters: int, warmup: i
         if direct:
             out = dev.empty(out_count)
             run_comm(comm, name, x, out, rank, size, n)
+            staged = (comm.last_stats() or {}).get("staging") or {}
+            memory = {"device": "gpu-direct", "pinned host": "mpccs mirrors"}.get(staged.get("memory"), memory)
         else:  # staged: device -> host, collective on host memory, host -> device
             h_in = dev.to_host(x)
             h_out = np.empty(out_count, np.float32)
@@ -321,7 +325,7 @@ def mpccs_case(comm, dev, direct: bool, name: str, n: int, iters: int, warmup: i
         if it >= warmup:
             times.append(time.perf_counter() - t0)
     inputs = [make_input(name, r, size, n) for r in range(size)]
-    return times, check(name, dev.to_host(out), rank, size, n, inputs)
+    return times, check(name, dev.to_host(out), rank, size, n, inputs), memory
 
 
 def torch_case(device: str, name: str, n: int, rank: int, size: int, iters: int, warmup: int):
@@ -396,7 +400,8 @@ def worker(args) -> int:
         dist.init_process_group("mpccs")
         comm = mt.get_communicator()
         torch_note = f"torch backend 'mpccs' on {torch_device} tensors" + (
-            " (staged through pinned host tensors inside the backend)" if torch_device == "cuda" else "")
+            "" if torch_device != "cuda" else " (cupy views of the tensors, GPU-direct)" if comm.gpu_direct
+            else " (staged through pinned host tensors inside the backend)")
     else:
         import mpccs
 
@@ -410,18 +415,19 @@ def worker(args) -> int:
     else:
         dev = TorchCudaDevice()
     direct = accepts_directly(dev.to_device(np.zeros(1, np.float32)))
-    path = "direct" if direct else "staged via host"
+    # "direct": the caller passes device arrays; mpccs then moves them GPU-direct or through its mirrors
+    path = ("gpu-direct" if comm.gpu_direct else "mpccs mirrors") if direct else "staged via host"
     if rank == 0:
         print(f"gpu_check: {size} ranks, device arrays: {dev.name}, "
-              f"{'passed to mpccs directly' if direct else 'staged by the caller through host copies'}; "
-              f"{torch_note}", flush=True)
+              f"{'passed to mpccs directly' if direct else 'staged by the caller through host copies'}"
+              f"{' (GPU-direct planes)' if direct and comm.gpu_direct else ''}; {torch_note}", flush=True)
 
     rows, failures = [], []
     for name in COLLECTIVES:
         for nbytes in args.sizes:
             n = max(1, nbytes // 4)
-            times, problem = mpccs_case(comm, dev, direct, name, n, args.iters, args.warmup)
-            rows.append(("mpccs", name, nbytes, times, problem, path))
+            times, problem, took = mpccs_case(comm, dev, direct, name, n, args.iters, args.warmup)
+            rows.append(("mpccs", name, nbytes, times, problem, took if dev.name == "cupy" else path))
             if problem:
                 failures.append(f"rank {rank}: mpccs {name} {fmt_bytes(nbytes)}: {problem}")
     if use_torch:
@@ -429,7 +435,8 @@ def worker(args) -> int:
             for nbytes in args.sizes:
                 n = max(1, nbytes // 4)
                 times, problem = torch_case(torch_device, name, n, rank, size, args.iters, args.warmup)
-                rows.append(("torch", name, nbytes, times, problem, "backend" if torch_device == "cpu" else "staged via host"))
+                rows.append(("torch", name, nbytes, times, problem, "backend" if torch_device == "cpu"
+                             else "gpu-direct" if comm.gpu_direct else "staged via host"))
                 if problem:
                     failures.append(f"rank {rank}: torch {name} {fmt_bytes(nbytes)}: {problem}")
 

@@ -54,6 +54,48 @@ def same_dtype(a: np.ndarray, b: np.ndarray, names=("send", "recv")) -> None:
         raise TypeError(f"{names[0]} has dtype {a.dtype} but {names[1]} has {b.dtype}")
 
 
+def address(a) -> int:
+    """Where a contiguous array's first element lives: a host address for numpy,
+    a device address for cupy (GPU-direct planes hand the engine device views)."""
+    return a.ctypes.data if type(a) is np.ndarray else a.data.ptr
+
+
+def may_share_memory(a, b) -> bool:
+    """Whether two contiguous arrays' byte ranges overlap (numpy's bounds test;
+    cupy arrays compare their device ranges)."""
+    if type(a) is np.ndarray and type(b) is np.ndarray:
+        return np.may_share_memory(a, b)
+    if type(a) is np.ndarray or type(b) is np.ndarray:
+        return False  # host and device memory never overlap
+    lo_a, lo_b = address(a), address(b)
+    return a.nbytes > 0 and b.nbytes > 0 and lo_a < lo_b + b.nbytes and lo_b < lo_a + a.nbytes
+
+
+def same_start(a, b) -> bool:
+    """Two non-empty contiguous views that begin at the same element: an in-place copy."""
+    return may_share_memory(a, b) and address(a) == address(b)
+
+
+def copy_into(dst, src) -> None:
+    """``dst[...] = src``, finished when this returns. A device copy is a kernel
+    queued on cupy's stream, and the planes (UCX's own streams) may read ``dst``
+    next: wait for it."""
+    dst[...] = src
+    if type(dst) is not np.ndarray:
+        import cupy
+
+        cupy.cuda.get_current_stream().synchronize()
+
+
+def empty_like_memory(ref, count: int, dtype):
+    """A new 1-D array in the same kind of memory as ``ref`` (host or device)."""
+    if type(ref) is np.ndarray:
+        return np.empty(count, dtype=dtype)
+    import cupy  # a device array was passed: cupy is there
+
+    return cupy.empty(count, dtype=dtype)
+
+
 def check_separate(send: np.ndarray, recv: np.ndarray, *, block_at: int | None = None) -> bool:
     """Send and receive buffers that overlap are refused (the schedule reads one
     while it writes the other), except the in-place forms: ``recv`` the very
@@ -61,13 +103,13 @@ def check_separate(send: np.ndarray, recv: np.ndarray, *, block_at: int | None =
     exactly the block of the larger at element ``block_at`` (all_gather: send is
     this rank's block of recv; reduce_scatter: recv is this rank's block of send).
     Both are 1-D C-contiguous views here, so overlap is a bounds test."""
-    if not np.may_share_memory(send, recv):
+    if not may_share_memory(send, recv):
         return False
-    start, sstart = recv.ctypes.data, send.ctypes.data
+    start, sstart = address(recv), address(send)
     if sstart == start and send.nbytes == recv.nbytes:
         return True
     small, large = (send, recv) if send.nbytes < recv.nbytes else (recv, send)
-    if block_at is not None and small.ctypes.data == large.ctypes.data + block_at * large.itemsize:
+    if block_at is not None and address(small) == address(large) + block_at * large.itemsize:
         return False  # this rank's own block
     raise ValueError("send and recv overlap; pass the same array (or recv=None where the call allows it) "
                      "for an in-place call, or separate arrays")

@@ -16,7 +16,8 @@ from . import arrays, staging
 from . import algorithms, fingerprint, shm_steps
 from .algorithms import Topology, resumable_in_place
 from .bootstrap import Bootstrap, hostname, rendezvous
-from .config import DEFAULT_UP_TLS_CPU, Options, load_options, parse_policy
+from .config import (DEFAULT_UP_TLS_CPU, GPU_DIRECT_OUT_TLS, GPU_DIRECT_UP_TLS, Options, load_options, parse_policy,
+                     with_device_tls)
 from .engine import (DIRECT_BLOCKS_MIN_BYTES, DIRECT_MAX_BYTES, DIRECT_MEDIUM_BUDGET, DIRECT_SHM_MIN_BYTES, CollectiveOp,
                      DirectAllGatherOp, DirectAllReduceOp, DirectBlocksAllReduceOp, DirectShmAllReduceOp,
                      DirectAllToAllOp, DirectBroadcastOp, DirectReduceOp, DirectReduceScatterOp,
@@ -42,6 +43,14 @@ REDUCE_BPS_PRIOR = 5e9
 # 'auto': reduce_scatter and reduce of device arrays reduced on the device from
 # here (an H200 host: 1.2-1.5x at 16 MiB, 0.6-0.8x at 1 MiB; config.DEVICE_REDUCE_MODES)
 DEVICE_REDUCE_AUTO_MIN_BYTES = 16 << 20
+# GPU-direct planes carry a call's device arrays from here (the larger buffer's
+# bytes); smaller calls take the pinned mirrors. On an H200 (2 ranks, one GPU) a
+# device message on the up plane cost ~175 us one way at 64 KiB (host: ~20), so
+# a GPU-direct all_reduce (two collectives) took ~1.8-2.2 ms from 64 KiB to 1 MiB
+# against 0.25-0.6 on the mirrors, and 2.0-2.4 ms at 4 MiB against 5.6-7.1
+# (bench/results/gpu_direct_h200). all_to_allv, whose buffers differ per rank, is
+# GPU-direct at any size: both ways run the same schedule, so ranks may differ.
+GPU_DIRECT_MIN_BYTES = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -101,6 +110,7 @@ class Communicator:
         self._plans: OrderedDict = OrderedDict()  # _schedule's answers by its arguments
         self._direct_answers: dict = {}  # _direct's answers under the current path policy
         self._protected_answers: dict = {}  # _protected's, likewise (configuration, policy and call only)
+        self.gpu_direct = staging.offers_gpu_direct(options.gpu_direct)  # this rank's offer; agreed below
         self.hosts, self.domains = self._exchange_identity(boot, options)
         self.domain = self.domains[self.rank]
         self._one_domain = len(set(self.domains)) == 1
@@ -128,9 +138,13 @@ class Communicator:
         domain = opts.domain or host
         if boot.store is None:
             return [host], [domain]
-        boot.store.set(f"info/{boot.rank}", json.dumps({"host": host, "domain": domain, "pid": os.getpid()}).encode())
+        boot.store.set(f"info/{boot.rank}", json.dumps({"host": host, "domain": domain, "pid": os.getpid(),
+                                                        "gpu_direct": self.gpu_direct}).encode())
         infos = [json.loads(v) for v in boot.store.gather("info", boot.size, opts.rendezvous_timeout_s)]
         self._pids = [i["pid"] for i in infos]
+        # Every rank moves device arrays the same way (a device reduction's steps
+        # differ between the two ways): GPU-direct only where every rank offers it.
+        self.gpu_direct = all(i.get("gpu_direct", False) for i in infos)
         return [i["host"] for i in infos], [i["domain"] for i in infos]
 
     def _shm_willing(self, opts: Options) -> bool:
@@ -168,22 +182,11 @@ class Communicator:
     def _derive_local_rank(self) -> int:
         return sum(1 for r in range(self.rank) if self.hosts[r] == self.hosts[self.rank])
 
-    def _plane_settings(self, opts: Options) -> dict:
-        settings = {}
-        if UP in opts.planes:
-            # Host transports even with a GPU: device arrays reach the planes as
-            # pinned host mirrors (mpccs.staging), so cuda_ipc/cuda_copy would
-            # only add a memory-type lookup to every send.
-            settings[UP] = (opts.up_tls or DEFAULT_UP_TLS_CPU, opts.up_devices)
-        if OUT in opts.planes:
-            devices = opts.out_devices
-            if devices is None and len(set(self.hosts)) == 1:
-                devices = "lo"  # a one-host job: keep scale-out traffic on loopback
-            settings[OUT] = (opts.out_tls, devices)
-        return settings
-
     def _open_planes(self, opts: Options) -> dict:
-        planes = {name: Plane(name, tls, dev, self.rank) for name, (tls, dev) in self._plane_settings(opts).items()}
+        if self.gpu_direct:
+            staging.make_cuda_context()  # UCX's cuda transports need the context before the planes open
+        settings = plane_settings(opts, self.gpu_direct, one_host=len(set(self.hosts)) == 1)
+        planes = {name: Plane(name, tls, dev, self.rank) for name, (tls, dev) in settings.items()}
         if self.size == 1:
             return planes
         store = self._boot.store
@@ -423,20 +426,49 @@ class Communicator:
 
     def _device_reduces(self, kind: str, send) -> bool:
         """Reduce device arrays on the device (config.DEVICE_REDUCE_MODES)? The same answer
-        on every rank: it depends on the configuration and the call only."""
+        on every rank: it depends on the configuration (GPU-direct is agreed at init) and
+        the call only. 'auto' does wherever the call goes GPU-direct: no byte crosses PCIe."""
         mode = self.options.device_reduce
         if mode != "auto":
             return mode == "always"
-        return kind != "all_reduce" and send.nbytes >= DEVICE_REDUCE_AUTO_MIN_BYTES
+        return self._gpu_direct_for(send.nbytes) or (kind != "all_reduce"
+                                                      and send.nbytes >= DEVICE_REDUCE_AUTO_MIN_BYTES)
 
-    def _reduce_on_device(self, kind, send, out, op, root, async_op, result, backend=None):
+    def _gpu_direct_for(self, call_bytes: Optional[int]) -> bool:
+        """GPU-direct for a call of this size (None: any size)? The same answer on
+        every rank for the same call: GPU-direct is agreed at init."""
+        return self.gpu_direct and (call_bytes is None or call_bytes >= GPU_DIRECT_MIN_BYTES)
+
+    def _moves_on_device(self, device_arrays: dict, any_size: bool = False) -> bool:
+        """Whether a data-movement call's device arrays go to the planes as they are
+        (GPU-direct, validated here) rather than through host mirrors: from
+        GPU_DIRECT_MIN_BYTES of its larger buffer (``any_size``: at every size). A
+        call whose arrays are all empty takes the mirrors: it moves nothing either way."""
+        present = [a for a in device_arrays.values() if a is not None]
+        if not self._gpu_direct_for(None if any_size else max(a.nbytes for a in present)):
+            return False
+        staging.check_device_arrays(device_arrays)
+        return any(a.size for a in present)
+
+    def _run_on_device(self, name, plan: "CallPlan", buffers: dict, result, async_op: bool):
+        """A data-movement collective on device views through the DAG engine (the
+        direct and two-step paths read host memory); UCX moves the chunks."""
+        staging.sync_current_stream()
+        staged = staging.DirectCall(staging.backend_for(buffers))
+        host_work = self._run(name, plan, buffers, buffers["in"].dtype, "sum", result, True)
+        work = staging.DeviceWork(self, host_work, staged, result)
+        return work if async_op else work.wait()
+
+    def _reduce_on_device(self, kind, send, out, op, root, async_op, result, backend=None, direct=None):
         """A reduction of device arrays with the arithmetic on the device
-        (mpccs.staging.DeviceReduction); arguments already validated.
-        ``backend`` is for the CPU tests, which run the same steps on numpy."""
+        (mpccs.staging.DeviceReduction); arguments already validated. ``direct``
+        (default: GPU-direct planes) runs both steps on the arrays themselves.
+        ``backend`` and ``direct`` are for the CPU tests, which run the same steps on numpy."""
         backend = backend or staging.backend_for({"send": send, "recv": out})
+        direct = self._gpu_direct_for(send.nbytes) and backend.name == "cupy" if direct is None else direct
         red = staging.DeviceReduction(backend, kind, send.reshape(-1), None if out is None else out.reshape(-1),
                                       op, self.rank, self.size, root,
-                                      lambda name, *args: getattr(self, name)(*args, async_op=True))
+                                      lambda name, *args: getattr(self, name)(*args, async_op=True), direct=direct)
         work = staging.DeviceWork(self, red.start(), red, result)
         return work if async_op else work.wait()
 
@@ -751,14 +783,18 @@ class Communicator:
     def all_gather(self, send, recv, *, async_op: bool = False, algorithm=None):
         """Block i of ``recv`` is rank i's ``send`` (recv.size == size * send.size)."""
         self._check_usable()
-        if staging.any_on_device(send, recv):
+        device = staging.any_on_device(send, recv)
+        if device and not self._moves_on_device({"send": send, "recv": recv}):
             return self._via_host({"send": send, "recv": recv}, ["send"], ["recv"], "recv", lambda h: self.all_gather(
                 h["send"], h["recv"], async_op=True, algorithm=algorithm), async_op)
-        s = arrays.check_array(send, "send")
-        r = arrays.check_array(recv, "recv", writable=True)
+        s = send.reshape(-1) if device else arrays.check_array(send, "send")
+        r = recv.reshape(-1) if device else arrays.check_array(recv, "recv", writable=True)
         arrays.same_dtype(s, r)
         arrays.check_size(r.size, self.size * s.size, "recv (size x send)")
         arrays.check_separate(s, r, block_at=self.rank * s.size)
+        if device:
+            sched = self._schedule("all_gather", s.size, r.nbytes, algorithm=algorithm)
+            return self._run_on_device("all_gather", sched, {"in": s, "out": r}, recv, async_op)
         if self._direct("all_gather", s.size, s.itemsize, algorithm, r.nbytes):
             return self._run_direct("all_gather", s, r, "sum", recv, async_op)
         sched = self._schedule("all_gather", s.size, r.nbytes, algorithm=algorithm)
@@ -768,17 +804,21 @@ class Communicator:
     def all_to_all(self, send, recv, *, async_op: bool = False, algorithm=None):
         """Block j of ``send`` goes to rank j; block i of ``recv`` came from rank i."""
         self._check_usable()
-        if staging.any_on_device(send, recv):
+        device = staging.any_on_device(send, recv)
+        if device and not self._moves_on_device({"send": send, "recv": recv}):
             return self._via_host({"send": send, "recv": recv}, ["send"], ["recv"], "recv", lambda h: self.all_to_all(
                 h["send"], h["recv"], async_op=True, algorithm=algorithm), async_op)
-        s = arrays.check_array(send, "send")
-        r = arrays.check_array(recv, "recv", writable=True)
+        s = send.reshape(-1) if device else arrays.check_array(send, "send")
+        r = recv.reshape(-1) if device else arrays.check_array(recv, "recv", writable=True)
         arrays.same_dtype(s, r)
         arrays.check_size(r.size, s.size, "recv")
         if arrays.check_separate(s, r):
             raise ValueError("all_to_all cannot run in place: pass separate send and recv arrays")
         if s.size % self.size:
             raise ValueError(f"send has {s.size} elements, not a multiple of the communicator size {self.size}")
+        if device:
+            sched = self._schedule("all_to_all", s.size // self.size, s.nbytes, algorithm=algorithm)
+            return self._run_on_device("all_to_all", sched, {"in": s, "out": r}, recv, async_op)
         if self._direct("all_to_all", s.size // self.size, s.itemsize, algorithm, s.nbytes):
             return self._run_direct("all_to_all", s, r, "sum", recv, async_op)
         sched = self._schedule("all_to_all", s.size // self.size, s.nbytes, algorithm=algorithm)
@@ -787,11 +827,12 @@ class Communicator:
     def all_to_allv(self, send, send_counts, recv, recv_counts, *, async_op: bool = False):
         """Uneven all-to-all: send_counts[j] elements to rank j, recv_counts[i] from rank i."""
         self._check_usable()
-        if staging.any_on_device(send, recv):
+        device = staging.any_on_device(send, recv)
+        if device and not self._moves_on_device({"send": send, "recv": recv}, any_size=True):
             return self._via_host({"send": send, "recv": recv}, ["send"], ["recv"], "recv", lambda h: self.all_to_allv(
                 h["send"], send_counts, h["recv"], recv_counts, async_op=True), async_op)
-        s = arrays.check_array(send, "send")
-        r = arrays.check_array(recv, "recv", writable=True)
+        s = send.reshape(-1) if device else arrays.check_array(send, "send")
+        r = recv.reshape(-1) if device else arrays.check_array(recv, "recv", writable=True)
         arrays.same_dtype(s, r)
         sc = _counts(send_counts, self.size, "send_counts")
         rc = _counts(recv_counts, self.size, "recv_counts")
@@ -802,12 +843,18 @@ class Communicator:
         sched = CallPlan(algorithms.build_schedule("all_to_allv", self.size, 0, algorithm="pairwise",
                                                    topology=self.topology, send_counts=sc, recv_counts=rc, rank=self.rank),
                          self.options.chunk_bytes or DEFAULT_CHUNK_BYTES, sum(sc) * s.itemsize < (256 << 10))
+        if device:
+            return self._run_on_device("all_to_allv", sched, {"in": s, "out": r}, recv, async_op)
         return self._run("all_to_allv", sched, {"in": s, "out": r}, s.dtype, "sum", recv, async_op)
 
     def broadcast(self, buf, root: int = 0, *, async_op: bool = False, algorithm=None):
         self._check_usable()
         root = self._check_root(root)
         if staging.is_device_array(buf):
+            if self._moves_on_device({"buf": buf}):
+                b = buf.reshape(-1)
+                sched = self._schedule("broadcast", b.size, b.nbytes, root=root, algorithm=algorithm)
+                return self._run_on_device("broadcast", sched, {"in": b, "out": b}, buf, async_op)
             return self._via_host({"buf": buf}, ["buf"] if self.rank == root else [], ["buf"], "buf",
                                   lambda h: self.broadcast(h["buf"], root, async_op=True, algorithm=algorithm), async_op)
         b = arrays.check_array(buf, "buf", writable=True)
@@ -870,6 +917,27 @@ class Communicator:
         if not isinstance(root, (int, np.integer)) or not 0 <= int(root) < self.size:
             raise ValueError(f"root={root!r} is out of range for communicator size {self.size}")
         return int(root)
+
+
+def plane_settings(opts: Options, gpu_direct: bool, one_host: bool) -> dict:
+    """plane name -> (UCX transports, devices). Without GPU-direct the planes read
+    host memory only and device arrays reach them as pinned host mirrors
+    (mpccs.staging): cuda transports would only add a memory-type lookup to every
+    send. With it, 'up' adds cuda_ipc / cuda_copy (device to device within the
+    domain: NVLink where there is one) and 'out' cuda_copy (UCX stages device
+    chunks through host fragments for a network that cannot read GPU memory, and
+    that cost is in the rate the controller measures for 'out')."""
+    settings = {}
+    if UP in opts.planes:
+        tls = opts.up_tls or DEFAULT_UP_TLS_CPU
+        settings[UP] = (with_device_tls(tls, GPU_DIRECT_UP_TLS) if gpu_direct else tls, opts.up_devices)
+    if OUT in opts.planes:
+        devices = opts.out_devices
+        if devices is None and one_host:
+            devices = "lo"  # a one-host job: keep scale-out traffic on loopback
+        tls = opts.out_tls
+        settings[OUT] = (with_device_tls(tls, GPU_DIRECT_OUT_TLS) if gpu_direct else tls, devices)
+    return settings
 
 
 def _wire_up(planes: dict, rank: int, timeout_s: float) -> None:

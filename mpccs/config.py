@@ -135,6 +135,32 @@ def parse_device_reduce(value) -> str:
     return text
 
 
+# Whether the planes read device (cupy) memory themselves (GPU-direct): the up
+# plane adds UCX's cuda_ipc and cuda_copy transports, the out plane cuda_copy
+# (UCX stages device chunks through host fragments for tcp), and device arrays
+# travel without mirrors (mpccs.staging). 'auto': on when cupy sees a GPU.
+GPU_DIRECT_MODES = ("auto", "on", "off")
+GPU_DIRECT_UP_TLS = ("cuda_copy", "cuda_ipc")
+GPU_DIRECT_OUT_TLS = ("cuda_copy",)
+
+
+def parse_gpu_direct(value) -> str:
+    text = str(value).strip().lower()
+    text = {"1": "on", "0": "off", "true": "on", "false": "off", "yes": "on", "no": "off"}.get(text, text)
+    if text not in GPU_DIRECT_MODES:
+        raise ConfigError(f"cannot read {value!r}; use one of {', '.join(GPU_DIRECT_MODES)}")
+    return text
+
+
+def with_device_tls(tls: str, extra: tuple) -> str:
+    """``tls`` plus the device transports it does not name already (a '^' list
+    excludes what it names, so it keeps them, as does 'all')."""
+    names = {t.split(":")[0] for t in tls.split(",")}
+    if tls.startswith("^") or "all" in names:
+        return tls
+    return ",".join([tls] + [t for t in extra if t not in names])
+
+
 @dataclass(frozen=True)
 class Options:
     planes: tuple[str, ...] = PLANE_NAMES
@@ -157,6 +183,7 @@ class Options:
     two_step: bool = True  # 2-rank all_reduce on 'up' alone: two messages each way, not the DAG (two_step.py)
     shm: bool = True  # 2 ranks on one host: blocks up to 2 MiB through shared-memory segments (shm_steps.py)
     device_reduce: str = "auto"  # where reductions of device arrays are computed (DEVICE_REDUCE_MODES)
+    gpu_direct: str = "auto"  # planes that read device memory (GPU_DIRECT_MODES)
     plane_timeout_s: float = 1.0  # heartbeat silence that marks a plane down
     reprobe_s: float = 5.0  # how long a failed plane rests before a rejoin probe
 
@@ -183,6 +210,7 @@ _ENV = {
     "two_step": ("MPCCS_TWO_STEP", parse_bool),
     "shm": ("MPCCS_SHM", parse_bool),
     "device_reduce": ("MPCCS_DEVICE_REDUCE", lambda v: parse_device_reduce(v)),
+    "gpu_direct": ("MPCCS_GPU_DIRECT", lambda v: parse_gpu_direct(v)),
     "plane_timeout_s": ("MPCCS_PLANE_TIMEOUT", float),
     "reprobe_s": ("MPCCS_REPROBE", float),
 }

@@ -29,6 +29,7 @@ import numpy as np
 
 from . import wire
 from .algorithms.schedule import Flow, Schedule, Stage
+from .arrays import copy_into, empty_like_memory, same_start
 from .fingerprint import Fingerprint
 from .errors import MismatchError, MpccsError, OperationTimeout, PlaneFailure, ProtocolError, TransportError
 from .health import PlaneHealth
@@ -630,7 +631,8 @@ class CollectiveOp(Operation):
         if self.schedule.work_count and "work" not in self.buffers:
             # Here, not at construction: a two-step operation never needs it (a 2-rank
             # reduce_scatter's is twice its output: 2 MiB of mapping per call at 1 MiB).
-            self.buffers = {**self.buffers, "work": np.empty(self.schedule.work_count, dtype=self.dtype)}
+            work = empty_like_memory(self.buffers["in"], self.schedule.work_count, self.dtype)  # device views too
+            self.buffers = {**self.buffers, "work": work}
         local = local_plan(self.schedule, self.rank)
         self.active: list[StageRun] = []
         self.out_chunks: list = []  # (req, outflow, plane, nbytes, t_post, stagerun)
@@ -761,8 +763,8 @@ class CollectiveOp(Operation):
                 continue
             src = self.buffers[c.src_buf][c.src_off : c.src_off + c.count]
             dst = self.buffers[c.dst_buf][c.dst_off : c.dst_off + c.count]
-            if not np.shares_memory(src, dst) or src.ctypes.data != dst.ctypes.data:
-                dst[...] = src
+            if not same_start(src, dst):
+                copy_into(dst, src)
 
     def _start_ready_stages(self) -> bool:
         started = False

@@ -280,6 +280,13 @@ def policy_label(p) -> str:
     return f"{p:g}" if isinstance(p, float) else str(p)
 
 
+def _memory_text(comm, memory: str) -> str:
+    if memory != "device":
+        return "host memory"
+    how = "read by the planes (GPU-direct)" if comm.gpu_direct else "staged through pinned host mirrors"
+    return f"GPU memory (cupy, {how})"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="mpccs-perf", description=__doc__.split("\n\n")[0])
     ap.add_argument("collective", choices=COLLECTIVES)
@@ -392,7 +399,7 @@ def header(comm, ns, policies) -> str:
         cols += "  x_up"
     return "\n".join([
         f"# mpccs-perf {ns.collective}  mpccs {__version__}  UCX {ucx_version()}  nranks {comm.size}",
-        f"# planes: {planes}; buffers in {'GPU memory (cupy, staged through pinned host mirrors)' if ns.memory == 'device' else 'host memory'}",
+        f"# planes: {planes}; buffers in {_memory_text(comm, ns.memory)}",
         f"# iters {ns.iters} warmup {ns.warmup_iters}; time = median over iterations of the slowest rank (us); GB/s = 1e9 B/s",
         f"# policies: {', '.join(policy_label(p) for p in policies)}",
         "#",

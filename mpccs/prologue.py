@@ -28,12 +28,14 @@ from typing import Iterable, Optional
 
 import numpy as np
 
+from .arrays import copy_into, may_share_memory, same_start
+
 
 def _stable_sources(buffers: dict) -> set:
     """Buffers no stage writes during the operation: ``in``, unless an
     in-place call made it the output (or it overlaps any written buffer)."""
     src = buffers.get("in")
-    if src is None or any(np.shares_memory(src, buffers[b]) for b in buffers if b != "in"):
+    if src is None or any(may_share_memory(src, buffers[b]) for b in buffers if b != "in"):
         return set()
     return {"in"}
 
@@ -51,12 +53,12 @@ class DeferredCopies:
                 continue
             src = buffers[c.src_buf][c.src_off : c.src_off + c.count]
             dst = buffers[c.dst_buf][c.dst_off : c.dst_off + c.count]
-            if np.shares_memory(src, dst) and src.ctypes.data == dst.ctypes.data:
+            if same_start(src, dst):
                 continue  # in place: nothing to copy
             if c.src_buf in stable:
                 self._pending.setdefault(c.dst_buf, []).append([c.dst_off, c.dst_off + c.count, c.src_buf, c.src_off])
             else:
-                dst[...] = src  # the source may change during the operation: copy now
+                copy_into(dst, src)  # the source may change during the operation: copy now
 
     def __bool__(self) -> bool:
         return any(self._pending.values())
@@ -96,7 +98,7 @@ class DeferredCopies:
                 continue
             if copy:
                 start = src_lo + (a - plo)
-                self._buffers[buf][a:b] = self._buffers[src_buf][start : start + (b - a)]
+                copy_into(self._buffers[buf][a:b], self._buffers[src_buf][start : start + (b - a)])
             if plo < a:
                 kept.append([plo, a, src_buf, src_lo])
             if b < phi:

@@ -1,10 +1,13 @@
-"""Device (cupy) arrays: pinned host mirrors for the planes, reductions on the device.
+"""Device (cupy) arrays: GPU-direct calls, pinned host mirrors, reductions on the device.
 
-The planes mpccs opens read host memory: shared memory and tcp here, RDMA
-verbs without GPUDirect. A device array therefore reaches them through a
-pinned (page-locked) host mirror: the copy engines move it at PCIe rate
-without a bounce through a driver buffer, and cupy's pinned pool caches the
-blocks, so a mirror is a pool lookup after the first call of a size.
+Where cupy sees a GPU on every rank, the planes open UCX's cuda transports
+(GPU-direct, comm.plane_settings) and a large enough call hands its device
+arrays to the DAG engine as they are (DirectCall: nothing to stage). Otherwise
+the planes read host memory (shared memory and tcp here, RDMA verbs without
+GPUDirect) and a device array reaches them through a pinned (page-locked) host
+mirror: the copy engines move it at PCIe rate without a bounce through a
+driver buffer, and cupy's pinned pool caches the blocks, so a mirror is a pool
+lookup after the first call of a size.
 
 Collectives that only move data (all_gather, all_to_all(v), broadcast,
 send/recv) run on the mirrors as they are: inputs copied device -> host before
@@ -12,7 +15,7 @@ any byte moves, outputs host -> device when the operation completes.
 
 Reductions (all_reduce, reduce_scatter, reduce) are reduced on the device, so
 the host CPU, which the planes need, does no arithmetic: a reduce-scatter as
-an all-to-all of blocks on the mirrors, the p blocks each rank receives
+an all-to-all of blocks (on the mirrors, or GPU-direct on the arrays), the p blocks each rank receives
 copied to the device and combined there in rank order, then an all-gather
 (all_reduce) or a gather to the root (reduce) of the reduced blocks. Both host
 steps are ordinary multipath collectives; the bytes per rank are the ring's,
@@ -28,16 +31,19 @@ bytes and seconds are in the operation's stats (``staging``).
 
 The algorithm takes its array module as a backend: cupy on a GPU, numpy in
 the CPU tests, which run the same steps in real processes. Nothing imports
-cupy until a device array is seen.
+cupy where it is not installed; where it is, init asks it whether a GPU is
+there (gpu_direct 'auto'), and device arrays bring it in.
 """
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import time
 from typing import Callable, Iterable, Optional
 
 import numpy as np
 
+from .errors import ConfigError
 from .reduce import SUPPORTED_DTYPES, finish_avg
 
 _SUPPORTED = frozenset(SUPPORTED_DTYPES)
@@ -56,6 +62,41 @@ def any_on_device(*arrays) -> bool:
         if a is not None and type(a) is not np.ndarray and type(a).__module__.startswith("cupy"):
             return True
     return False
+
+
+# ---------------------------------------------------------------------------
+# GPU-direct planes
+# ---------------------------------------------------------------------------
+def gpu_visible() -> bool:
+    """cupy is installed and sees a GPU (cupy is not imported where it is not installed)."""
+    if importlib.util.find_spec("cupy") is None:
+        return False
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no driver, no device, a broken install: all mean "no GPU here"
+        return False
+
+
+def offers_gpu_direct(mode: str) -> bool:
+    """This rank's offer of planes that read device memory (config.GPU_DIRECT_MODES)."""
+    if mode == "off":
+        return False
+    visible = gpu_visible()
+    if mode == "on" and not visible:
+        raise ConfigError("gpu_direct='on' (MPCCS_GPU_DIRECT=1) but cupy sees no GPU here; "
+                          "use 'auto' or 'off', or install cupy on a GPU machine")
+    return visible
+
+
+def make_cuda_context() -> None:
+    """Create the current device's CUDA context: UCX's cuda transports look for
+    one when the planes open."""
+    import cupy
+
+    cupy.zeros(1, cupy.uint8)
+    cupy.cuda.get_current_stream().synchronize()
 
 
 # ---------------------------------------------------------------------------
@@ -154,12 +195,22 @@ def backend_for(arrays: dict, *, any_dtype: bool = False):
     return CupyBackend(check_device_arrays(arrays, any_dtype=any_dtype))
 
 
+def sync_current_stream() -> None:
+    """Let the kernels queued on the current stream finish: the planes' copies
+    of device memory run on UCX's own streams, so a buffer a kernel is still
+    writing must be done before its bytes are handed to them."""
+    import cupy
+
+    cupy.cuda.get_current_stream().synchronize()
+
+
 class Copies:
     """Bytes and seconds of the copies between device and mirrors (the ``staging`` stats)."""
 
-    def __init__(self, backend, reduced_on: str):
+    def __init__(self, backend, reduced_on: str, direct: bool = False):
         self.backend = backend
         self.reduced_on = reduced_on
+        self.direct = direct  # GPU-direct planes: no mirrors, nothing copied
         self.d2h_bytes = self.h2d_bytes = 0
         self.d2h_s = self.h2d_s = 0.0
 
@@ -184,7 +235,8 @@ class Copies:
         self.h2d_s += time.perf_counter() - t0
 
     def report(self) -> dict:
-        return {"memory": "pinned host" if self.backend.name == "cupy" else "host",
+        memory = "device" if self.direct else "pinned host" if self.backend.name == "cupy" else "host"
+        return {"memory": memory,
                 "device": self.backend.device_id, "reduced_on": self.reduced_on,
                 "d2h_bytes": self.d2h_bytes, "d2h_s": self.d2h_s,
                 "h2d_bytes": self.h2d_bytes, "h2d_s": self.h2d_s}
@@ -234,6 +286,20 @@ class StagedCall:
         return self.copies.report()
 
 
+class DirectCall:
+    """A data-movement call whose device arrays the planes read and write
+    themselves (GPU-direct): nothing to stage, only the stats note."""
+
+    def __init__(self, backend):
+        self.copies = Copies(backend, reduced_on="-", direct=True)
+
+    def finish(self) -> None:
+        pass
+
+    def report(self) -> dict:
+        return self.copies.report()
+
+
 # ---------------------------------------------------------------------------
 # reductions on the device
 # ---------------------------------------------------------------------------
@@ -274,10 +340,13 @@ class DeviceReduction:
     """
 
     def __init__(self, backend, kind: str, send, out, op: str, rank: int, size: int, root: Optional[int],
-                 run_host: Callable):
+                 run_host: Callable, direct: bool = False):
         self.backend, self.kind, self.op = backend, kind, op
         self.rank, self.size, self.root = rank, size, root
-        self.copies = Copies(backend, reduced_on=backend.name)
+        # direct: the planes read device memory (GPU-direct), so both steps run on
+        # device buffers and nothing crosses PCIe (start_direct)
+        self.direct = direct
+        self.copies = Copies(backend, reduced_on=backend.name, direct=direct)
         self._run_host = run_host
         self._out = out  # device array written at finish (None: a non-root rank of reduce)
         self._send = send
@@ -288,6 +357,9 @@ class DeviceReduction:
 
     def start(self):
         """Run the reduce-scatter, start the second step; returns the host Work last started."""
+        if self.direct:
+            with self.backend.scope():
+                return self._start_direct()
         be, xp, p, b = self.backend, self.backend.xp, self.size, self.block
         with be.scope():
             h_send = be.mirror(self._send.dtype, p * b)
@@ -315,8 +387,47 @@ class DeviceReduction:
             self._tail = be.mirror(self._send.dtype, p * b if self.rank == self.root else 0)
             return self._run_host("all_to_allv", h_part, counts_out, self._tail, counts_in)
 
+    def _start_direct(self):
+        """The same two steps on device buffers: the planes read and write them.
+        Where the count fills the p blocks exactly, the input is the first step's
+        send buffer and the output the second step's receive buffer (no copy)."""
+        be, xp, p, b = self.backend, self.backend.xp, self.size, self.block
+        dtype = self._send.dtype
+        if self.kind == "reduce_scatter" or self.count == p * b:
+            d_send = self._send
+        else:
+            d_send = be.empty(dtype, p * b)
+            d_send[:self.count] = self._send
+            d_send[self.count:] = 0  # the padding of the last block: never reaches an output
+        d_blocks = be.empty(dtype, p * b)
+        be.sync()  # the caller's kernels (and the padding) are done before the planes read
+        first = self._run_host("all_to_all", d_send, d_blocks)
+        first.wait()
+        part = self._out if self.kind == "reduce_scatter" else be.empty(dtype, b)
+        reduce_blocks(xp, d_blocks.reshape(p, b), self.op, part)
+        if self.op == "avg":
+            device_avg(xp, part, p)
+        be.sync()  # the reduced block is written before it is sent (or returned)
+        if self.kind == "reduce_scatter":
+            return first
+        whole = self._out is not None and self.count == p * b
+        if self.kind == "all_reduce":
+            self._tail = self._out if whole else be.empty(dtype, p * b)
+            return self._run_host("all_gather", part, self._tail)
+        counts_out = [b if j == self.root else 0 for j in range(p)]
+        counts_in = [b] * p if self.rank == self.root else [0] * p
+        self._tail = self._out if whole else be.empty(dtype, p * b if self.rank == self.root else 0)
+        return self._run_host("all_to_allv", part, counts_out, self._tail, counts_in)
+
     def finish(self) -> None:
         """Write the gathered blocks into the output (DeviceWork calls it once)."""
+        if self.direct:
+            if self._tail is not None and self._out is not None and self._tail is not self._out:
+                with self.backend.scope():
+                    self._out[...] = self._tail[:self.count]  # device to device
+                    self.backend.sync()
+            self._tail = None
+            return
         if self._tail is not None and self._out is not None:
             with self.backend.scope():
                 self.copies.to_device(self._tail[:self.count], self._out)
@@ -350,6 +461,11 @@ class DeviceWork:
         if self._host_work.exception() is None:
             self._finish()
         return True
+
+    @property
+    def _op(self):
+        """The last host operation (a device reduction's second step): its stats record is the call's."""
+        return self._host_work._op
 
     def stats(self) -> dict:
         return dict(self._host_work.stats(), staging=self._staged.report())

@@ -20,7 +20,11 @@ Tensors: contiguous CPU tensors are passed to the Communicator as numpy views of
 their own memory (no copy). Non-contiguous tensors, lists of separate tensors
 (list all_gather / reduce_scatter / alltoall, unless the list is consecutive views
 of one buffer) and CUDA tensors are staged through a contiguous host copy (pinned
-for CUDA tensors) and copied back when the Work completes.
+for CUDA tensors) and copied back when the Work completes. On GPU-direct planes
+(``Communicator.gpu_direct``) contiguous CUDA tensors of the dtypes cupy has go
+to the planes as cupy views of their own memory (no copy) in allreduce,
+broadcast, reduce, the single-tensor all_gather / reduce_scatter / all_to_all,
+and the DDP hook.
 
 Progress: mpccs has no progress thread. ``Work.wait()``, ``Work.is_completed()``
 and ``Work.get_future()`` drive the communicator; ``get_future()`` returns an
@@ -118,10 +122,43 @@ class _Staged:
                 self.tensor.copy_(self.host.view(self.tensor.shape))
 
 
-def _stage(t: torch.Tensor, *, load: bool = True) -> _Staged:
-    """Contiguous CPU tensors as themselves; everything else as a contiguous host copy."""
+# CUDA tensors of these dtypes go to GPU-direct planes as cupy views of their
+# memory (no copy); others (bfloat16, which cupy lacks, bool, complex) are staged.
+_CUPY_DTYPES = {torch.float16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32, torch.int64,
+                torch.uint8}
+
+
+class _OnDevice:
+    """A contiguous CUDA tensor handed to GPU-direct planes as a cupy view of its
+    memory: the planes read and write the tensor itself (zero-copy)."""
+
+    __slots__ = ("tensor", "host", "array", "copied")
+
+    def __init__(self, tensor: torch.Tensor):
+        import cupy
+
+        self.tensor = tensor
+        self.host = tensor  # what the dtype checks read
+        self.array = cupy.asarray(tensor.detach()).reshape(-1)
+        self.copied = False
+
+    def write_back(self) -> None:
+        pass
+
+
+def _direct_ok(t) -> bool:
+    return (isinstance(t, torch.Tensor) and t.is_cuda and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+            and t.dtype in _CUPY_DTYPES)
+
+
+def _stage(t: torch.Tensor, *, load: bool = True, direct: bool = False):
+    """Contiguous CPU tensors as themselves; with ``direct`` (GPU-direct planes),
+    contiguous CUDA tensors of a cupy dtype as themselves too; everything else as
+    a contiguous host copy."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
+    if direct and _direct_ok(t):
+        return _OnDevice(t)
     if t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg():
         return _Staged(t, t.detach(), False)
     if t.is_sparse:
@@ -132,6 +169,13 @@ def _stage(t: torch.Tensor, *, load: bool = True) -> _Staged:
     if load:
         host.copy_(t.detach())  # resolves conj/neg views and strides; blocking for CUDA sources
     return _Staged(t, host, True)
+
+
+def _stage_pair(output: torch.Tensor, input: torch.Tensor, direct: bool):
+    """(output, input) staged alike: both on the device or both through the host
+    (one call's arrays must be in one kind of memory)."""
+    both = direct and _direct_ok(output) and _direct_ok(input)
+    return _stage(output, load=False, direct=both), _stage(input, direct=both)
 
 
 def _span(tensors: list) -> Optional[torch.Tensor]:
@@ -459,6 +503,7 @@ class ProcessGroupMpccs(dist.ProcessGroup):
         if comm.rank != rank or comm.size != size:
             raise ValueError(f"communicator is rank {comm.rank} of {comm.size}, the group rank {rank} of {size}")
         self.comm = comm
+        self._direct = comm.gpu_direct  # CUDA tensors to the planes as they are (_stage)
         self._lock = _lock_for(comm)
         self._timeout_s = timeout_s
         self._closed = False
@@ -512,7 +557,7 @@ class ProcessGroupMpccs(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         self._check_open()
         op = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM)
-        staged = [_stage(t) for t in tensors]
+        staged = [_stage(t, direct=self._direct) for t in tensors]
         with self._lock:
             works = [self.comm.all_reduce(_reducible(s, "allreduce"), op=op, async_op=True) for s in staged]
         return self._work("allreduce", works, tensors, [s.write_back for s in staged if s.copied], staged)
@@ -525,7 +570,7 @@ class ProcessGroupMpccs(dist.ProcessGroup):
         root = opts.rootRank if opts is not None else 0
         if opts is not None and opts.rootTensor != 0:
             raise ValueError("mpccs: broadcast supports rootTensor 0 only")
-        staged = [_stage(t) for t in tensors]
+        staged = [_stage(t, direct=self._direct) for t in tensors]
         with self._lock:
             works = [self.comm.broadcast(_movable(s.array), root=root, async_op=True) for s in staged]
         return self._work("broadcast", works, tensors, [s.write_back for s in staged if s.copied], staged)
@@ -534,7 +579,7 @@ class ProcessGroupMpccs(dist.ProcessGroup):
         self._check_open()
         root = opts.rootRank if opts is not None else 0
         op = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM)
-        staged = [_stage(t) for t in tensors]
+        staged = [_stage(t, direct=self._direct) for t in tensors]
         with self._lock:
             works = [self.comm.reduce(_reducible(s, "reduce"), op=op, root=root, async_op=True)
                      for s in staged]
@@ -564,7 +609,7 @@ class ProcessGroupMpccs(dist.ProcessGroup):
     def all_gather_single(self, output, input, opts=None):
         """``output`` is every rank's ``input`` back to back (all_gather_into_tensor)."""
         self._check_open()
-        dst, src = _stage(output, load=False), _stage(input)
+        dst, src = _stage_pair(output, input, self._direct)
         with self._lock:
             work = self.comm.all_gather(_movable(src.array), _movable(dst.array), async_op=True)
         return self._work("all_gather_single", [work], [output], [dst.write_back] if dst.copied else [], [src, dst])
@@ -595,7 +640,7 @@ class ProcessGroupMpccs(dist.ProcessGroup):
         """``output`` receives block ``rank`` of the reduction of every rank's ``input`` (reduce_scatter_tensor)."""
         self._check_open()
         op = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM)
-        dst, src = _stage(output, load=False), _stage(input)
+        dst, src = _stage_pair(output, input, self._direct)
         with self._lock:
             work = self.comm.reduce_scatter(_reducible(src, "reduce_scatter"), dst.array, op=op, async_op=True)
         return self._work("reduce_scatter_single", [work], [output], [dst.write_back] if dst.copied else [],
@@ -607,7 +652,7 @@ class ProcessGroupMpccs(dist.ProcessGroup):
         """all_to_all_single: even splits (empty lists) or row splits along dim 0 (all_to_allv)."""
         self._check_open()
         size = self.comm.size
-        dst, src = _stage(output, load=False), _stage(input)
+        dst, src = _stage_pair(output, input, self._direct)
         s_arr, d_arr = _movable(src.array), _movable(dst.array)
         with self._lock:
             if not output_split_sizes and not input_split_sizes:
@@ -869,7 +914,7 @@ def allreduce_hook(state, bucket) -> torch.futures.Future[torch.Tensor]:
     st = _state_of(state)
     tensor = bucket.buffer()
     fut = torch.futures.Future()
-    staged = _stage(tensor)
+    staged = _stage(tensor, direct=st.comm.gpu_direct)
     with st.lock:
         try:
             work = st.comm.all_reduce(_reducible(staged, "allreduce_hook"), op=st.op, async_op=True)

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # The one prepared GPU run (a machine with a GPU and cupy; nothing to install
-# from a registry): the device-array tests, then examples/gpu_check.py with
-# cupy arrays and CUDA tensors (reductions on the device, then on the host
-# mirrors), the same flow on numpy arrays for the staging overhead, 4 ranks, and
-# bench/gpu_reduce.py (the three reduction paths timed side by side). Logs go to $OUT (default ./gpu-check-out). Wheels for ucxx and its
-# libraries, when the machine lacks them, are taken from .whl/ if present.
+# from a registry), about 4 minutes: which transports each plane opened, the
+# device-array tests (GPU-direct planes and pinned host mirrors), then
+# examples/gpu_check.py with cupy arrays and CUDA tensors on GPU-direct planes,
+# the same on the mirrors, 4 ranks, and mpccs-perf's all_reduce with buffers
+# in GPU memory on both paths (and host buffers with and without the cuda
+# transports, for what those cost host arrays). Logs go to $OUT (default
+# ./gpu-check-out), at most 8 files. QUICK=1: the tests, the 2-rank check and the
+# all_reduce timings only, for a rerun after a fix. Wheels for ucxx and its libraries, when
+# the machine lacks them, are taken from .whl/ if present.
 set -u
 OUT=${OUT:-$PWD/gpu-check-out}
 mkdir -p "$OUT"
@@ -14,29 +18,61 @@ if ! python3 -c "import ucxx" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
         || exit 3
     export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
+# The image carries an older UCX (1.16) that the dynamic linker finds first: put the wheel's ahead
+UCX_WHEEL_LIB=$(python3 -c "import libucx, os; print(os.path.join(os.path.dirname(libucx.__file__), 'lib'))" 2>/dev/null)
+[ -n "$UCX_WHEEL_LIB" ] && export LD_LIBRARY_PATH=$UCX_WHEEL_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"; ldconfig -p | grep -E "libucp|libucs\." | head -4
+status=0
+step() {  # step NAME LOGFILE TIMEOUT COMMAND...: run, append to the log, remember a failure
+    local name=$1 log=$2 limit=$3
+    shift 3
+    echo "### $name ($(date +%T))" | tee -a "$OUT/$log"
+    timeout "$limit" "$@" 2>&1 | tee -a "$OUT/$log"
+    local rc=${PIPESTATUS[0]}
+    echo "### $name: exit $rc" | tee -a "$OUT/$log"
+    [ "$rc" = 0 ] || status=1
+}
 {
     nvidia-smi -L
     python3 -c "import cupy, numpy, numba; print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'numba', numba.__version__)"
     python3 -c "import torch; print('torch', torch.__version__, torch.cuda.is_available())"
     python3 -c "import mpccs.transports.ucx as u; print('ucx', u.ucx_version(), 'ucxx', u.ucxx_version())"
+    nproc; uname -r
 } 2>&1 | tee "$OUT/env.txt"
-status=0
-timeout 240 python3 -m pytest -q -x -p no:cacheprovider -rs tests/test_gpu.py 2>&1 | tee "$OUT/pytest.txt"
-[ "${PIPESTATUS[0]}" = 0 ] || status=1
-# reductions on the device (default), then on the host mirrors, then numpy arrays (no device at all)
-timeout 150 python3 examples/gpu_check.py --ranks 2 --sizes 4K,1M,16M,64M --iters 5 --timeout 140 2>&1 \
-    | tee "$OUT/gpu_check_cupy.txt"
-[ "${PIPESTATUS[0]}" = 0 ] || status=1
-MPCCS_DEVICE_REDUCE=never timeout 100 python3 examples/gpu_check.py --ranks 2 --sizes 4K,1M,16M,64M --iters 5 \
-    --timeout 90 --no-torch 2>&1 | tee "$OUT/gpu_check_cupy_host_reduce.txt"
-[ "${PIPESTATUS[0]}" = 0 ] || status=1
-timeout 100 python3 examples/gpu_check.py --ranks 2 --sizes 4K,1M,16M,64M --iters 5 --timeout 90 --simulate-cpu \
-    --no-torch 2>&1 | tee "$OUT/gpu_check_host.txt"
-[ "${PIPESTATUS[0]}" = 0 ] || status=1
-timeout 90 python3 examples/gpu_check.py --ranks 4 --sizes 1M --iters 2 --timeout 80 --no-torch 2>&1 \
-    | tee "$OUT/gpu_check_cupy_4ranks.txt"
-[ "${PIPESTATUS[0]}" = 0 ] || status=1
-# reductions of cupy arrays: on the device, on the mirrors, numpy arrays, interleaved
-timeout 240 python3 -m mpccs -n 2 python3 bench/gpu_reduce.py --out "$OUT/gpu_reduce" 2>&1 | tee "$OUT/gpu_reduce.txt"
-[ "${PIPESTATUS[0]}" = 0 ] || status=1
+step "mpccs-info, GPU-direct" env.txt 60 python3 -m mpccs -n 2 python3 -m mpccs.info
+step "mpccs-info, mirrors" env.txt 60 env MPCCS_GPU_DIRECT=0 python3 -m mpccs -n 2 python3 -m mpccs.info
+if [ "${QUICK:-0}" = 1 ]; then  # a rerun after a fix: the tests, the check table and the all_reduce timings
+    step "tests/test_gpu.py" pytest.txt 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py
+    step "gpu_check, 2 ranks, cupy + CUDA tensors" gpu_check.txt 150 \
+        python3 examples/gpu_check.py --ranks 2 --sizes 4K,1M,16M,64M --iters 5 --timeout 140
+    PERF="python3 -m mpccs.perf all_reduce -b 64K -e 64M -f 4 -n 10 -w 3 --quiet"
+    step "perf all_reduce device memory, GPU-direct from 2 MiB" perf.txt 120 \
+        python3 -m mpccs -n 2 $PERF --memory device --policies up,adaptive
+    step "perf all_reduce device memory, mirrors" perf.txt 120 env MPCCS_GPU_DIRECT=0 \
+        python3 -m mpccs -n 2 $PERF --memory device --policies up
+    echo "gpu-device-check (quick): status $status" | tee -a "$OUT/env.txt"
+    exit $status
+fi
+step "tests/test_gpu.py" pytest.txt 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py
+SIZES=4K,1M,16M,64M
+step "gpu_check GPU-direct, 2 ranks, cupy + CUDA tensors" gpu_check.txt 150 \
+    python3 examples/gpu_check.py --ranks 2 --sizes $SIZES --iters 5 --timeout 140
+PERF="python3 -m mpccs.perf all_reduce -b 64K -e 64M -f 4 -n 10 -w 3 --quiet"
+step "perf all_reduce device memory, GPU-direct, every policy" perf.txt 150 \
+    python3 -m mpccs -n 2 $PERF --memory device --compare -J "$OUT/perf_gpu_direct.json"
+step "perf all_reduce device memory, mirrors, up" perf.txt 120 env MPCCS_GPU_DIRECT=0 \
+    python3 -m mpccs -n 2 $PERF --memory device --policies up
+step "gpu_check mirrors, 2 ranks" gpu_check.txt 100 env MPCCS_GPU_DIRECT=0 \
+    python3 examples/gpu_check.py --ranks 2 --sizes $SIZES --iters 5 --timeout 90 --no-torch
+step "gpu_check GPU-direct, 4 ranks" gpu_check.txt 90 \
+    python3 examples/gpu_check.py --ranks 4 --sizes 1M --iters 2 --timeout 80 --no-torch
+for backend in mpccs mpccs-pg gloo; do  # DDP on CUDA tensors: the mpccs hook, the mpccs backend, gloo: one loss curve
+    step "train_ddp --device cuda --backend $backend" train.txt 90 \
+        python3 -m mpccs -n 2 python3 examples/train_ddp.py --device cuda --steps 30 --backend $backend
+done
+step "perf all_reduce host memory, cuda transports on" perf.txt 60 env MPCCS_GPU_DIRECT=1 \
+    python3 -m mpccs -n 2 python3 -m mpccs.perf all_reduce -b 8 -e 1M -f 16 -n 20 -w 5 --quiet --policies up
+step "perf all_reduce host memory, cuda transports off" perf.txt 60 env MPCCS_GPU_DIRECT=0 \
+    python3 -m mpccs -n 2 python3 -m mpccs.perf all_reduce -b 8 -e 1M -f 16 -n 20 -w 5 --quiet --policies up
+echo "gpu-device-check: status $status" | tee -a "$OUT/env.txt"
 exit $status

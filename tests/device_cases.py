@@ -30,9 +30,11 @@ def reference(kind: str, rank: int, size: int, count: int, dtype, op: str, seed:
     return acc
 
 
-def device_reduction(comm, kind: str, count: int, dtype: str, op: str, policy, seed: int, in_place: bool):
+def device_reduction(comm, kind: str, count: int, dtype: str, op: str, policy, seed: int, in_place: bool,
+                     direct: bool = False):
     """One reduction through the device steps with numpy standing in for the device; returns
-    (result bytes or None, whether it matched the rank-order reference bit for bit)."""
+    (result bytes or None, whether it matched the rank-order reference bit for bit).
+    ``direct``: the GPU-direct steps (no mirrors: the steps run on the arrays themselves)."""
     dtype = BFLOAT16 if dtype == "bfloat16" else np.dtype(dtype)
     comm.set_path_policy(policy)
     size, rank, root = comm.size, comm.rank, seed % comm.size
@@ -44,13 +46,16 @@ def device_reduction(comm, kind: str, count: int, dtype: str, op: str, policy, s
     else:
         out = x if in_place else np.empty(count, dtype)
     result = comm._reduce_on_device(kind, x, out, op, root if kind == "reduce" else None, False, out,
-                                    backend=staging.NumpyBackend())
+                                    backend=staging.NumpyBackend(), direct=direct)
     assert result is out
     want = reference(kind, rank, size, count, dtype, op, seed, root)
     if want is None:
         return None, True
     stats = comm.last_stats()["staging"]
-    assert stats["reduced_on"] == "numpy" and stats["h2d_bytes"] >= out.nbytes, stats
+    if direct:
+        assert stats["memory"] == "device" and stats["h2d_bytes"] == stats["d2h_bytes"] == 0, stats
+    else:
+        assert stats["reduced_on"] == "numpy" and stats["h2d_bytes"] >= out.nbytes, stats
     return out.tobytes(), out.tobytes() == want.tobytes()
 
 

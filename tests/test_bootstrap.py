@@ -194,3 +194,62 @@ def test_configuration_is_validated():
     with pytest.raises(ConfigError, match="MPCCS_DEVICE_REDUCE.*use one of auto, always, never"):
         load_options({"MPCCS_DEVICE_REDUCE": "gpu"})
     assert load_options({}, path_policy="0.25").path_policy == 0.25
+    assert [load_options({"MPCCS_GPU_DIRECT": v}).gpu_direct for v in ("1", "0", "Auto", "off")] == [
+        "on", "off", "auto", "off"]
+    with pytest.raises(ConfigError, match="MPCCS_GPU_DIRECT.*use one of auto, on, off"):
+        load_options({"MPCCS_GPU_DIRECT": "nvlink"})
+
+
+def test_gpu_direct_adds_the_device_transports_to_each_plane():
+    from mpccs.comm import plane_settings
+
+    host = plane_settings(load_options({}), gpu_direct=False, one_host=True)
+    assert host == {"up": ("posix,cma,sysv,self", None), "out": ("tcp", "lo")}
+    direct = plane_settings(load_options({}), gpu_direct=True, one_host=False)
+    assert direct == {"up": ("posix,cma,sysv,self,cuda_copy,cuda_ipc", None), "out": ("tcp,cuda_copy", None)}
+    # a list that names them already, or excludes by '^', or 'all', is kept as given
+    given = load_options({"MPCCS_UP_TLS": "cuda_ipc,posix", "MPCCS_OUT_TLS": "^ud"})
+    assert plane_settings(given, gpu_direct=True, one_host=True) == {
+        "up": ("cuda_ipc,posix,cuda_copy", None), "out": ("^ud", "lo")}
+    assert plane_settings(load_options({"MPCCS_OUT_TLS": "all"}), True, True)["out"] == ("all", "lo")
+    # the device copy transports leave host memory's protocol as it was: eager on sockets
+    from mpccs.transports.plane import default_rndv_thresh
+
+    assert default_rndv_thresh("tcp,cuda_copy") == default_rndv_thresh("tcp") == "inf"
+    assert default_rndv_thresh("posix,cma,sysv,self,cuda_copy,cuda_ipc") == "ucx"
+
+
+def test_gpu_direct_carries_calls_from_its_size_bound():
+    # the routing rule alone (the GPU runs of tests/test_gpu.py cover both sides of it)
+    import types
+
+    import numpy as np
+    from mpccs.comm import GPU_DIRECT_MIN_BYTES, Communicator
+
+    def comm(gpu_direct, device_reduce="auto"):
+        c = types.SimpleNamespace(gpu_direct=gpu_direct, options=load_options({}, device_reduce=device_reduce))
+        c._gpu_direct_for = types.MethodType(Communicator._gpu_direct_for, c)
+        return c
+
+    on, off = comm(True), comm(False)
+    assert on._gpu_direct_for(GPU_DIRECT_MIN_BYTES) and on._gpu_direct_for(None)
+    assert not on._gpu_direct_for(GPU_DIRECT_MIN_BYTES - 1)
+    assert not off._gpu_direct_for(1 << 30) and not off._gpu_direct_for(None)
+    big, small = np.empty(GPU_DIRECT_MIN_BYTES, np.uint8), np.empty(GPU_DIRECT_MIN_BYTES - 1, np.uint8)
+    reduces = Communicator._device_reduces
+    # GPU-direct: every reduction from the bound on the device; below it, as on the mirrors
+    assert reduces(on, "all_reduce", big) and not reduces(on, "all_reduce", small)
+    assert not reduces(off, "all_reduce", big) and not reduces(off, "reduce_scatter", big)
+    assert not reduces(comm(True, "never"), "all_reduce", big) and reduces(comm(False, "always"), "all_reduce", small)
+
+
+def test_gpu_direct_offer_follows_the_machine():
+    from mpccs import staging
+
+    assert staging.offers_gpu_direct("off") is False
+    if staging.gpu_visible():
+        assert staging.offers_gpu_direct("auto") and staging.offers_gpu_direct("on")
+    else:  # CI: no cupy, or no GPU
+        assert staging.offers_gpu_direct("auto") is False
+        with pytest.raises(ConfigError, match="cupy sees no GPU"):
+            staging.offers_gpu_direct("on")

@@ -28,6 +28,7 @@ DIMENSIONS = {
     "op": ["sum", "max", "avg", "prod", "min"],
     "policy": ["up", "out", 0.5, "adaptive"],
     "in_place": [False, True],
+    "direct": [False, True],  # staged through mirrors, or GPU-direct (the steps on the arrays themselves)
 }
 
 
@@ -42,7 +43,7 @@ def test_device_steps_match_the_rank_order_reduction_bit_for_bit(pool, index):
     if case["kind"] == "reduce_scatter":
         count = max(count // pool.size, 0) * pool.size  # send.size == size * recv.size
     results = pool.run(device_cases.device_reduction, case["kind"], count, case["dtype"], case["op"],
-                       case["policy"], index, case["in_place"], timeout=120)
+                       case["policy"], index, case["in_place"], case["direct"], timeout=120)
     assert all(ok for _, ok in results), [ok for _, ok in results]
     if case["kind"] == "all_reduce":
         assert len({data for data, _ in results}) == 1  # the same bits on every rank

@@ -146,6 +146,20 @@ def test_info_says_whether_the_shared_memory_segments_are_open():
     assert runs == {"1": [opened, opened], "0": ["closed", "closed"]}
 
 
+def test_info_says_how_device_arrays_travel():
+    p = subprocess.run([os.path.join(BIN, "mpccs-info"), "--json"], capture_output=True, text=True, timeout=120,
+                       env=dict(clean_env(), MPCCS_GPU_DIRECT="0"))
+    assert p.returncode == 0, p.stderr
+    info = json.loads(p.stdout)
+    assert info["gpu_direct"] is False and "cuda" not in info["planes"]["up"]["tls"]
+    from mpccs import staging
+
+    if not staging.gpu_visible():  # CI: insisting on it is a one-line usage error
+        p = subprocess.run([os.path.join(BIN, "mpccs-info")], capture_output=True, text=True, timeout=120,
+                           env=dict(clean_env(), MPCCS_GPU_DIRECT="1"))
+        assert p.returncode == 2 and "cupy sees no GPU" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
 def test_info_reports_the_qos_caps():
     p = subprocess.run([os.path.join(BIN, "mpccs-info"), "--json"], capture_output=True, text=True, timeout=120,
                        env=dict(clean_env(), MPCCS_OUT_CAP_RATE="250mbit", MPCCS_OUT_CAP="0.3"))

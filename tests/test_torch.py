@@ -506,6 +506,8 @@ class _FakeWork:
 
 
 class _FakeComm:
+    gpu_direct = False  # host tensors only
+
     def __init__(self):
         self.log, self.works = [], []
 

@@ -21,6 +21,11 @@ from .ucx import Array, ucx_api
 _SHM_ONLY = {"posix", "sysv", "cma", "mm", "sm", "shm", "knem", "xpmem", "self", "cuda_ipc", "cuda_copy"}
 
 
+# GPU-direct adds these to a plane (config.GPU_DIRECT_*_TLS): they copy device
+# memory to and from the network's buffers and do not change how host memory goes.
+_DEVICE_COPY_TLS = {"cuda_copy", "cuda_ipc"}
+
+
 def default_rndv_thresh(tls: str) -> str:
     """Eager for every size on socket-only planes, UCX's choice elsewhere.
 
@@ -30,7 +35,7 @@ def default_rndv_thresh(tls: str) -> str:
     ~60% of its rate. Eager messages went at 91-97% (docs/design.md). Zero-copy
     transports (shared memory, RDMA) keep UCX's rendezvous.
     """
-    names = {t.lstrip("^").split(":")[0] for t in tls.split(",")}
+    names = {t.lstrip("^").split(":")[0] for t in tls.split(",")} - _DEVICE_COPY_TLS
     return "inf" if names <= {"tcp", "self"} else "ucx"
 
 

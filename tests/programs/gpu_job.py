@@ -6,6 +6,7 @@ against the host path's own result when they are reduced on the host mirrors. Ru
 mpccs-run; prints ``GPU_JOB OK <cases>`` on rank 0, or fails with the first
 difference.
 """
+import os
 import sys
 
 import cupy as cp
@@ -77,7 +78,9 @@ def collectives(comm, dtype, count: int) -> int:
         checks += 2
     stats = comm.last_stats()
     staged = stats["staging"]
-    if comm._device_reduces("all_reduce", x):
+    if comm._gpu_direct_for(x.nbytes) and comm._device_reduces("all_reduce", x):  # no mirror: nothing crossed PCIe
+        assert staged["memory"] == "device" and staged["d2h_bytes"] == staged["h2d_bytes"] == 0, stats
+    elif comm._device_reduces("all_reduce", x):
         assert staged["reduced_on"] == "cupy" and staged["d2h_bytes"] >= x.nbytes, stats
     else:
         assert staged["d2h_bytes"] == x.nbytes and staged["h2d_bytes"] == x.nbytes, stats
@@ -91,6 +94,8 @@ def collectives(comm, dtype, count: int) -> int:
     got = cp.empty(count * size, dtype)
     comm.all_gather(cp.asarray(x), got)
     same_bits(got, want, "all_gather")
+    memory = comm.last_stats()["staging"]["memory"]
+    assert memory == ("device" if comm._gpu_direct_for(got.nbytes) and count else "pinned host"), memory
     comm.all_to_all(xs, want)
     comm.all_to_all(cp.asarray(xs), got)
     same_bits(got, want, "all_to_all")
@@ -180,8 +185,11 @@ def bad_input(comm) -> int:
 
 
 def main() -> int:
-    comm = mpccs.init()
     cp.cuda.Device(0).use()
+    comm = mpccs.init()
+    want_direct = {"1": True, "0": False}.get(os.environ.get("MPCCS_GPU_DIRECT", ""))
+    if want_direct is not None:
+        assert comm.gpu_direct is want_direct, (comm.gpu_direct, want_direct)
     checks = 0
     for dtype in DTYPES:
         for count in (COUNTS if dtype is np.float32 else COUNTS[:3]):
