@@ -478,6 +478,21 @@ def test_contiguous_cpu_tensors_are_zero_copy():
     assert mt._StagedList([torch.zeros(4), torch.zeros(4)], load=False).copied
 
 
+def test_gpu_direct_staging_leaves_host_tensors_as_they_were():
+    # GPU-direct hands only contiguous CUDA tensors of cupy's dtypes over as they are
+    # (tests/test_gpu.py on a GPU); every host tensor stages as without it
+    import mpccs.torch as mt
+
+    t = torch.zeros(16)
+    s = mt._stage(t, direct=True)
+    assert not s.copied and s.array.__array_interface__["data"][0] == t.data_ptr()
+    assert mt._stage(torch.zeros(4, 4).t(), direct=True).copied
+    assert not mt._direct_ok(t) and not mt._direct_ok(np.zeros(4))
+    out, inp = mt._stage_pair(torch.zeros(8), torch.zeros(4, 2).t(), direct=True)
+    assert type(out) is type(inp) is mt._Staged and inp.copied and not out.copied
+    assert torch.bfloat16 not in mt._CUPY_DTYPES and torch.float16 in mt._CUPY_DTYPES
+
+
 def test_row_counts_and_reduce_ops():
     import torch.distributed as dist
     import mpccs.torch as mt
