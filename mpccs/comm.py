@@ -187,6 +187,8 @@ class Communicator:
             staging.make_cuda_context()  # UCX's cuda transports need the context before the planes open
         settings = plane_settings(opts, self.gpu_direct, one_host=len(set(self.hosts)) == 1)
         planes = {name: Plane(name, tls, dev, self.rank) for name, (tls, dev) in settings.items()}
+        if self.gpu_direct:
+            check_device_transports(planes)
         if self.size == 1:
             return planes
         store = self._boot.store
@@ -938,6 +940,17 @@ def plane_settings(opts: Options, gpu_direct: bool, one_host: bool) -> dict:
         tls = opts.out_tls
         settings[OUT] = (with_device_tls(tls, GPU_DIRECT_OUT_TLS) if gpu_direct else tls, devices)
     return settings
+
+
+def check_device_transports(planes: dict) -> None:
+    """GPU-direct hands device pointers to every plane: each must have opened
+    UCX's cuda_copy (a UCX built without CUDA ignores the name, and its host
+    transports would read a device pointer as host memory)."""
+    for name, plane in planes.items():
+        if not any(r.startswith("cuda_copy/") for r in plane.resources()):
+            raise ConfigError(f"GPU-direct: plane {name!r} opened no cuda_copy transport with UCX_TLS={plane.tls} "
+                              f"(resources: {', '.join(plane.resources()) or 'none'}): this UCX has no CUDA support; "
+                              "use the UCX of the ucxx-cu12 wheels, or MPCCS_GPU_DIRECT=0")
 
 
 def _wire_up(planes: dict, rank: int, timeout_s: float) -> None:

@@ -243,6 +243,23 @@ def test_gpu_direct_carries_calls_from_its_size_bound():
     assert not reduces(comm(True, "never"), "all_reduce", big) and reduces(comm(False, "always"), "all_reduce", small)
 
 
+def test_gpu_direct_needs_cuda_copy_on_every_plane():
+    # what the H200's planes reported (mpccs-info), and a UCX without CUDA support
+    import types
+
+    from mpccs.comm import check_device_transports
+
+    def plane(tls, *resources):
+        return types.SimpleNamespace(tls=tls, resources=lambda: list(resources))
+
+    check_device_transports({"up": plane("posix,cuda_copy,cuda_ipc", "posix/memory", "cuda_copy/cuda",
+                                         "cuda_ipc/cuda"),
+                             "out": plane("tcp,cuda_copy", "tcp/lo", "cuda_copy/cuda")})
+    with pytest.raises(ConfigError, match="plane 'out' opened no cuda_copy.*MPCCS_GPU_DIRECT=0"):
+        check_device_transports({"up": plane("posix,cuda_copy", "cuda_copy/cuda"), "out": plane("tcp,cuda_copy",
+                                                                                                "tcp/lo")})
+
+
 def test_gpu_direct_offer_follows_the_machine():
     from mpccs import staging
 
