@@ -25,7 +25,7 @@ import numpy as np
 
 import mpccs
 import mpccs.comm as comm_module
-from mpccs.engine import DIRECT_MAX_BYTES
+from mpccs.direct_ops import DIRECT_MAX_BYTES
 
 sys.path.insert(0, os.path.dirname(__file__))
 from stats import (ab_cells, ab_meta, ab_parser, ab_report_head, slowest_rank, time_block,  # noqa: E402

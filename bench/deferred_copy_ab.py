@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 import mpccs
-from mpccs import engine
+from mpccs import collective_op
 from mpccs.prologue import DeferredCopies
 
 MODE = {"eager": False}
@@ -32,7 +32,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=60)
     args = ap.parse_args()
-    engine.DeferredCopies = MaybeDeferred
+    collective_op.DeferredCopies = MaybeDeferred
     comm = mpccs.init()
     comm.set_path_policy("up")
     for n in (1 << 19, 1 << 21, 1 << 23):

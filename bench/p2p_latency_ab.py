@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 import mpccs
-from mpccs import engine
+from mpccs import p2p_ops
 
 sys.path.insert(0, os.path.dirname(__file__))
 from stats import host_text  # noqa: E402
@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--trips", type=int, default=200)
     args = ap.parse_args()
-    inline_max = engine.P2P_INLINE_MAX_BYTES
+    inline_max = p2p_ops.P2P_INLINE_MAX_BYTES
     comm = mpccs.init()
     peer = 1 - comm.rank
     rtts = {}
@@ -50,7 +50,7 @@ def main() -> None:
                 comm.send(x, peer)
 
         for mode in MODES * args.rounds:
-            engine.P2P_INLINE_MAX_BYTES = inline_max if mode == "inline" else -1  # what senders check
+            p2p_ops.P2P_INLINE_MAX_BYTES = inline_max if mode == "inline" else -1  # what senders check
             for _ in range(20):
                 trip()
             comm.barrier()
@@ -58,7 +58,7 @@ def main() -> None:
             for _ in range(args.trips):
                 trip()
             rtts.setdefault(f"{n}", {}).setdefault(mode, []).append((time.perf_counter() - t0) / args.trips * 1e6)
-    engine.P2P_INLINE_MAX_BYTES = inline_max
+    p2p_ops.P2P_INLINE_MAX_BYTES = inline_max
     if comm.rank == 0:
         lines = ["# Point-to-point round trip, payload inside the header against the rendezvous", "",
                  f"2 ranks, default planes, 'adaptive'; {args.rounds} alternating rounds of {args.trips} round trips; "

@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 import mpccs
-from mpccs import comm as comm_module, engine, two_step
+from mpccs import collective_op, comm as comm_module, operation, two_step
 
 sys.path.insert(0, os.path.dirname(__file__))
 from stats import host_text  # noqa: E402
@@ -34,11 +34,11 @@ from two_step_ab import ByHand  # noqa: E402
 # (class, method, mark at entry, mark at exit), in the order an operation meets them
 MARKS = (
     (comm_module.Communicator, "_run", "plan found, operation set-up starts", None),
-    (engine.CollectiveOp, "_exchange_fingerprints", "operation built", "fingerprint messages posted"),
-    (engine.CollectiveOp, "_choose_executor", "peer's fingerprint read", None),
+    (collective_op.CollectiveOp, "_exchange_fingerprints", "operation built", "fingerprint messages posted"),
+    (collective_op.CollectiveOp, "_choose_executor", "peer's fingerprint read", None),
     (two_step.TwoStepExecutor, "__init__", None, "executor's receives and first send posted"),
     (two_step.TwoStepExecutor, "_reduce", "first message arrived, reduction starts", "reduction done"),
-    (engine.Operation, "_finish", "last message arrived, operation finishes", None),
+    (operation.Operation, "_finish", "last message arrived, operation finishes", None),
 )
 
 _marks: list[tuple[str, float]] = []

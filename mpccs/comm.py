@@ -18,10 +18,14 @@ from .algorithms import Topology, resumable_in_place
 from .bootstrap import Bootstrap, hostname, rendezvous
 from .config import (DEFAULT_UP_TLS_CPU, GPU_DIRECT_OUT_TLS, GPU_DIRECT_UP_TLS, Options, load_options, parse_policy,
                      with_device_tls)
-from .engine import (DIRECT_BLOCKS_MIN_BYTES, DIRECT_MAX_BYTES, DIRECT_MEDIUM_BUDGET, DIRECT_SHM_MIN_BYTES, CollectiveOp,
-                     DirectAllGatherOp, DirectAllReduceOp, DirectBlocksAllReduceOp, DirectShmAllReduceOp,
-                     DirectAllToAllOp, DirectBroadcastOp, DirectReduceOp, DirectReduceScatterOp,
-                     Engine, Operation, RecvOp, SendOp, Splitter)
+from .collective_op import CollectiveOp
+from .direct_ops import (DIRECT_BLOCKS_MIN_BYTES, DIRECT_MAX_BYTES, DIRECT_MEDIUM_BUDGET, DIRECT_SHM_MIN_BYTES,
+                         DirectAllGatherOp, DirectAllReduceOp, DirectAllToAllOp, DirectBlocksAllReduceOp,
+                         DirectBroadcastOp, DirectReduceOp, DirectReduceScatterOp, DirectShmAllReduceOp)
+from .engine import Engine
+from .flows import Splitter
+from .operation import Operation
+from .p2p_ops import RecvOp, SendOp
 from .errors import CommunicatorAborted, ConfigError, MismatchError, MpccsError, TransportError
 from .reduce import finish_avg
 from .telemetry import Telemetry
@@ -590,7 +594,7 @@ class Communicator:
 
     def _two_step_call(self, collective: str, algorithm, block_bytes: int, call_bytes: int) -> bool:
         """An all_reduce, reduce_scatter or all_gather the two-step executor may run
-        (engine.CollectiveOp offers it to the peer, which must offer it too): 2 ranks in
+        (collective_op.CollectiveOp offers it to the peer, which must offer it too): 2 ranks in
         one domain, no algorithm asked for (by argument or MPCCS_TUNE), fingerprints on
         (the offer rides on them), and blocks (an all_reduce's halves) within the buffer
         the engine keeps for them (two_step.MAX_HALF_BYTES)."""
@@ -661,7 +665,7 @@ class Communicator:
         return any(self._planes[p].failable for p in carriers)
 
     def _direct(self, collective: str, count: int, itemsize: int, algorithm, call_bytes: int, root=None) -> bool:
-        """Whether a call takes one message per peer (engine.DirectAllReduceOp and
+        """Whether a call takes one message per peer (direct_ops.DirectAllReduceOp and
         DIRECT_OPS) instead of the DAG engine: small calls of every collective
         but all_to_allv always, unless an algorithm is asked for (by argument or
         MPCCS_TUNE); medium ones where the DAG would run them on the control

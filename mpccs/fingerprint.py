@@ -48,7 +48,7 @@ class Fingerprint:
 
     def with_declaration(self, declared: int) -> np.ndarray:
         """The fingerprint message with one declaration byte after the words
-        (engine.DECLARES_*), built once per byte value: sends only read it."""
+        (collective_op.DECLARES_*), built once per byte value: sends only read it."""
         payload = self._with_declarations.get(declared)
         if payload is None:
             payload = np.frombuffer(bytearray(self.raw + bytes((declared,))), dtype=np.uint8)
@@ -96,7 +96,7 @@ class Fingerprint:
     def differences(self, other: "Fingerprint") -> list[str]:
         """What makes the two calls different operations. Not the chunking: each
         sender picks its own (whole flows of up to 1 MiB when it sends on one plane
-        only) and its receivers cut its flows the sender's way (engine.CollectiveOp)."""
+        only) and its receivers cut its flows the sender's way (collective_op.CollectiveOp)."""
         out = []
         for name in ("collective", "count", "dtype", "op", "root", "algorithm"):
             a, b = getattr(self, name), getattr(other, name)

@@ -1,6 +1,6 @@
 """A 2-rank all_reduce's exchanges of halves through shared-memory segments
 (transports/shm.py) instead of UCX messages, for halves up to
-SHM_MAX_HALF_BYTES (engine.DirectShmAllReduceOp, on the direct path).
+SHM_MAX_HALF_BYTES (direct_ops.DirectShmAllReduceOp, on the direct path).
 
 The halves of the two-step executor (two_step.halves): this rank's operand
 of the half it owns ``mine_in``, that half's result ``mine_out``, its operand

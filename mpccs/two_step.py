@@ -20,7 +20,7 @@ overwritten that is still to be sent.
 
 Both ranks must run the same executor: CollectiveOp decides after the
 fingerprint exchange, from a flag each rank sets in its fingerprint message
-(engine.DECLARES_TWO_STEP), and falls back to the DAG unless both set it.
+(collective_op.DECLARES_TWO_STEP), and falls back to the DAG unless both set it.
 The wire: collective-data tags of the operation's sequence number, with the
 reserved flow ids wire.TWO_STEP_RS_FLOW and wire.TWO_STEP_AG_FLOW.
 """

@@ -234,7 +234,7 @@ def waiver_agreement_run(comm, n_ops):
 def test_exchanges_with_everyone_only_where_every_pair_moves_data():
     from mpccs.algorithms import ALGORITHMS as BUILDERS
     from mpccs.algorithms.registry import build_schedule
-    from mpccs.engine import exchanges_with_everyone
+    from mpccs.collective_op import exchanges_with_everyone
     assert exchanges_with_everyone(build_schedule("all_reduce", 3, 999, algorithm="ring"))
     assert exchanges_with_everyone(build_schedule("all_to_all", 4, 999, algorithm="pairwise"))
     assert exchanges_with_everyone(build_schedule("all_reduce", 2, 999, algorithm="ring"))

@@ -798,7 +798,7 @@ def test_export_reuses_recent_entries_until_a_rate_steps_or_flags_change():
 
 
 def test_settled_operations_send_no_estimates_and_the_next_export_after_them_is_fresh():
-    """A settled operation exports nothing (engine.CollectiveOp), but counts as an
+    """A settled operation exports nothing (collective_op.CollectiveOp), but counts as an
     export: after EXPORT_REUSE_CALLS of them the next export rebuilds its entries
     (from the samples that arrived meanwhile) where it would have reused them."""
     from mpccs.control.controller import EXPORT_REUSE_CALLS

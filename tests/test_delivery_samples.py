@@ -1,9 +1,9 @@
-"""engine.StageRun's delivery samples: one per (plane, peer) and stage, the
+"""flows.StageRun's delivery samples: one per (plane, peer) and stage, the
 estimator's view of a link from what arrived over it."""
 import pytest
 
 from mpccs.algorithms.schedule import Stage
-from mpccs.engine import StageRun
+from mpccs.flows import StageRun
 
 MB = 1 << 20
 

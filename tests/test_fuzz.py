@@ -123,7 +123,7 @@ def _rogue_messages(comm, case):
     """(plane name, tag, payload) of everything the rogue sends for rank 0's first operation."""
     from mpccs import fingerprint, wire
     from mpccs.comm import DEFAULT_CHUNK_BYTES
-    from mpccs.engine import MIN_CHUNK_BYTES
+    from mpccs.flows import MIN_CHUNK_BYTES
     from mpccs.windows import chunk_count, chunk_range, flow_chunk_elems
 
     call, plane = CASES[case]

@@ -122,7 +122,7 @@ def test_small_messages_in_flight_complete_in_any_order(pool):
 
 def inline_boundary(comm):
     """Exactly P2P_INLINE_MAX_BYTES rides inline, one byte more goes by rendezvous; both exact."""
-    from mpccs.engine import P2P_INLINE_MAX_BYTES
+    from mpccs.p2p_ops import P2P_INLINE_MAX_BYTES
 
     out = []
     for n in (P2P_INLINE_MAX_BYTES, P2P_INLINE_MAX_BYTES + 1):

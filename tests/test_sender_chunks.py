@@ -1,5 +1,5 @@
 """A sender on one plane cuts its flows by larger chunks than a rank that splits,
-and its receivers follow the chunk its fingerprint names (engine.CollectiveOp.
+and its receivers follow the chunk its fingerprint names (collective_op.CollectiveOp.
 _follow_senders_chunking): ranks need not agree on chunking, results stay exact."""
 from __future__ import annotations
 

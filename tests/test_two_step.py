@@ -262,16 +262,16 @@ def test_reduce_scatter_and_all_gather_blocks_take_one_step_exactly(pool, policy
 def test_the_offer_rides_after_the_fingerprint_words_in_one_kept_message():
     """The two-step offer's message is the fingerprint's words and one declaration
     byte, built once per byte value (a training loop repeats the same call)."""
-    from mpccs import engine, fingerprint
+    from mpccs import collective_op, fingerprint, operation
 
     fp = fingerprint.make("all_reduce", "sum", np.float32, "ring", None, 1 << 20, 1 << 19)
-    offer = fp.with_declaration(engine.DECLARES_TWO_STEP)
-    assert offer.tobytes() == fp.raw + bytes((engine.DECLARES_TWO_STEP,))
-    assert len(fp.raw) == engine.FP_BYTES
-    assert fp.with_declaration(engine.DECLARES_TWO_STEP) is offer
-    other = fp.with_declaration(engine.DECLARES_SAFE | engine.DECLARES_TWO_STEP)
-    assert other is not offer and int(other[engine.FP_BYTES]) == engine.DECLARES_SAFE | engine.DECLARES_TWO_STEP
-    assert fingerprint.Fingerprint.decode(offer[:engine.FP_BYTES].view(np.uint64)) == fp
+    offer = fp.with_declaration(collective_op.DECLARES_TWO_STEP)
+    assert offer.tobytes() == fp.raw + bytes((collective_op.DECLARES_TWO_STEP,))
+    assert len(fp.raw) == operation.FP_BYTES
+    assert fp.with_declaration(collective_op.DECLARES_TWO_STEP) is offer
+    other = fp.with_declaration(collective_op.DECLARES_SAFE | collective_op.DECLARES_TWO_STEP)
+    assert other is not offer and int(other[operation.FP_BYTES]) == collective_op.DECLARES_SAFE | collective_op.DECLARES_TWO_STEP
+    assert fingerprint.Fingerprint.decode(offer[:operation.FP_BYTES].view(np.uint64)) == fp
 
 
 def exports_with_one_rank_planning(comm, planning_rank: int, n_ops: int = 40):

@@ -23,7 +23,7 @@ ignores what f sends again:
     finish(d, s)  happens before  start(q, t)
 
 in the engine's order of events, which is what a rank can know without any
-message beyond the schedule's own (engine.CollectiveOp):
+message beyond the schedule's own (collective_op.CollectiveOp):
 
 * start(x, a) follows finish(x, b) for every b in a.deps (a stage without
   flows on x finishes on x as soon as it starts);

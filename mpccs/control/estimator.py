@@ -254,7 +254,7 @@ class PathEstimator:
             return None
         a = self._fit_delay(clean)
         # The rate: the median over the latest samples, not the max. These are
-        # per-stage delivery samples (engine.StageRun.delivery_samples) and err
+        # per-stage delivery samples (flows.StageRun.delivery_samples) and err
         # both ways: fast when the peer started the stage early and its data
         # waited in the receive buffers (700 MB/s read on a 62.5 MB/s link
         # after it came back), slow when it started late. A max held the

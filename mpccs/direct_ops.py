@@ -1,0 +1,612 @@
+"""The direct path: small and medium collectives as one message per peer
+(comm._direct says which calls take it), and the 2-rank medium all_reduce
+through the shared-memory segments."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+
+from . import wire
+from .errors import TransportError
+from .fingerprint import Fingerprint
+from .operation import FP_BYTES, Operation, check_fingerprint
+from .reduce import reduce_into, reduce_to
+from .shm_steps import ShmSteps
+from .windows import UP
+
+DIRECT_MAX_BYTES = 4096  # a payload at most this large rides in the fingerprint message; always direct
+# A medium collective takes the direct path too where the DAG would run it on
+# the control plane alone (comm._direct): at most this many bytes sent per
+# rank, (p - 1) x the input. 2 ranks, default planes: 2.4-2.8x faster than the
+# DAG at 8-32 KiB, 1.5-1.9x at 128 KiB-1.5 MiB (bench/direct_ab.py); at 4 MiB
+# the ring, which moves half the bytes, won.
+DIRECT_MEDIUM_BUDGET = 2 << 20
+# A medium all_reduce at least this large runs as a reduce-scatter and an
+# all-gather of blocks (DirectBlocksAllReduceOp) rather than one full
+# exchange: a fraction of the bytes and the reduction for twice the messages.
+# 2 ranks, default planes, time of the full exchange over the blocks
+# (bench/results/direct_blocks/): 0.67-0.68x at 256 KiB, 0.93-0.97x at 512 KiB,
+# 1.06-1.09x at 768 KiB, 1.09-1.12x at 1 MiB, 1.19-1.21x from 1.5 MiB. Above
+# DIRECT_MAX_BYTES: the payload never rides inline.
+DIRECT_BLOCKS_MIN_BYTES = 640 << 10
+# From here a 2-rank all_reduce on the direct path takes the shared-memory
+# segments where they are open (shm_steps.py). bench/results/shm/, two runs,
+# time without / with them: 1.05-1.08x at 384 KiB, 1.10-1.18x at 512 KiB,
+# 1.12-1.20x at 768 KiB-1.5 MiB, 1.04-1.05x below 2 MiB; at 256 KiB 0.95-1.01x
+# over four runs.
+DIRECT_SHM_MIN_BYTES = 384 << 10
+DIRECT_POOL_PER_SIZE = 4  # reusable DirectBuffers kept per size (operations in flight at once)
+DIRECT_POOL_SIZES = 32  # sizes kept
+DIRECT_POOL_BYTES = 32 << 20  # and at most this much memory in them (medium buffers are up to ~2 MiB)
+DIRECT_LAYOUTS_KEPT = 1024  # direct operations' layouts kept per engine (DirectAllReduceOp._layout)
+
+
+class DirectAllReduceOp(Operation):
+    """An all_reduce as one message per peer, fingerprint in front.
+
+    For a few bytes the DAG engine's per-stage work (cursors, probes, windows)
+    and a separate fingerprint message cost more than the data: here every rank
+    sends its whole input behind its fingerprint to every other rank, in one
+    control message, and reduces what it received in rank order 0..p-1 (the
+    same order on every rank, so results are bit-identical everywhere). p - 1
+    messages per rank: meant for small worlds and payloads (DIRECT_MAX_BYTES).
+    The message uses the fingerprint's tag, so a peer that called something
+    else (the DAG path included) still gets a MismatchError, not a hang.
+
+    A medium payload (above DIRECT_MAX_BYTES) goes as a second message under
+    its own tag (CTRL_DIRECT_DATA), straight from the caller's array: the
+    fingerprint message stays small enough for any fingerprint receive, and a
+    peer's payload is looked at only after its fingerprint matched, so a size
+    mismatch is a MismatchError rather than a truncated receive.
+    """
+
+    algorithm = "direct"
+    stats_are_light = True
+    posts_when_built = True
+
+    def __init__(self, engine, seq, send: np.ndarray, out: np.ndarray, op: str, world: int,
+                 fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,
+                 name: str = "all_reduce"):
+        super().__init__(engine, seq)
+        self.name = name
+        self.op, self.out, self.finalize, self.fingerprint = op, out, finalize, fingerprint
+        self.wire_seq = wire.attempt_seq(seq, 0)
+        me = engine.rank
+        self.mine = self._own_input(send, out, me, world)
+        nbytes = self.mine.nbytes  # what every message carries: the input, or one block of it
+        layout = engine.direct_layouts.get(self._layout_key(world, nbytes))
+        if layout is None:
+            layout = self._layout(world, nbytes)
+        self.others = layout.others
+        self._buffers = buffers = engine.direct_buffers(*layout.buffer_key)
+        if buffers.fingerprint is not fingerprint:  # pooled buffers keep the fingerprint they last sent
+            buffers.payload[:FP_BYTES] = fingerprint.encode().view(np.uint8) if fingerprint is not None else 0
+            buffers.fingerprint = fingerprint
+        if layout.inline_sends:
+            buffers.payload[FP_BYTES:] = send.view(np.uint8)
+        self._sends, self._recvs, self._got = [], [], {}
+        self._data_recvs = {}
+        self._landed = {}  # peer -> the view of out its medium payload arrives in (_landing)
+        if layout.medium:
+            self._post_medium(send, world, layout)
+            return
+        for row, peer in enumerate(layout.others):
+            plane = engine.control_plane(peer)
+            self._post_fingerprint(row, peer, plane, layout)
+            if layout.sends_to[row]:
+                self.bytes_per_plane[plane.name] += nbytes
+
+    def _post_fingerprint(self, row: int, peer: int, plane, layout: "DirectLayout") -> None:
+        """This rank's fingerprint message to ``peer`` (row ``row`` of the layout), and the receive of the peer's."""
+        seq, buffers = wire.seq_bits(self.wire_seq), self._buffers
+        if plane not in self.spin_planes:
+            self.spin_planes += (plane,)
+        self._sends.append(plane.send(peer, buffers.payload, layout.send_tag | seq, buffers.payload_desc))
+        self._recvs.append((plane.recv(buffers.rows[row], layout.recv_tags[row] | seq, desc=buffers.row_descs[row]),
+                            peer, row, plane, False))
+
+    def _layout_key(self, world: int, nbytes: int) -> tuple:
+        return type(self), world, nbytes, self.mine.itemsize, getattr(self, "root", None)
+
+    def _layout(self, world: int, nbytes: int) -> "DirectLayout":
+        """What this kind of operation sends and receives for one world and
+        payload size: the same on every call of one shape (a training loop's),
+        so built once per engine; the constructor was ~14 us of a ~30 us
+        8-byte all_reduce before."""
+        others = tuple(r for r in range(world) if r != self.engine.rank)
+        sends_to = tuple(self._sends_to(peer) for peer in others)
+        # Different blocks to different peers cannot share one inline payload: their own messages
+        # (empty blocks: nothing to send but the fingerprint).
+        medium = nbytes > DIRECT_MAX_BYTES or (self.per_peer and nbytes > 0)
+        inline = 0 if medium else nbytes  # in each fingerprint message that carries a payload
+        inline_sends = inline if any(sends_to) else 0
+        capacity = FP_BYTES + max(inline, fp_blob_capacity(self.engine, world))
+        fp_tag = wire.make_tag(wire.KIND_CTRL, self.engine.comm_id, 0, 0, wire.CTRL_FINGERPRINT)  # | seq_bits
+        layout = DirectLayout(others, sends_to, tuple(self._receives_from(peer) for peer in others), medium,
+                              inline_sends, (inline_sends, capacity, len(others), self._received_bytes() if medium else 0),
+                              fp_tag | wire.mid_bits(self.engine.rank),
+                              tuple(fp_tag | wire.mid_bits(peer) for peer in others))
+        if len(self.engine.direct_layouts) >= DIRECT_LAYOUTS_KEPT:
+            self.engine.direct_layouts.clear()  # payload sizes are many; a loop uses a few
+        self.engine.direct_layouts[self._layout_key(world, nbytes)] = layout
+        return layout
+
+    def _post_medium(self, send: np.ndarray, world: int, layout: "DirectLayout") -> None:
+        """Post a medium operation's messages: each fingerprint message, then the
+        payload under its own tag, straight from the caller's array."""
+        engine, me, nbytes = self.engine, self.engine.rank, self.mine.nbytes
+        data_tag = wire.make_tag(wire.KIND_CTRL, engine.comm_id, self.wire_seq, 0, wire.CTRL_DIRECT_DATA)
+        for row, peer in enumerate(layout.others):
+            plane = engine.control_plane(peer)
+            self._post_fingerprint(row, peer, plane, layout)
+            if layout.sends_to[row]:
+                data = _block(send, peer, world) if self.per_peer else send
+                self._sends.append(plane.send(peer, data.view(np.uint8), data_tag | wire.mid_bits(me)))
+                self.bytes_per_plane[plane.name] += nbytes
+            if layout.receives_from[row]:
+                self._data_recvs[peer] = self._post_payload_recv(plane, peer, row, data_tag, send, world)
+
+    def _post_payload_recv(self, plane, peer: int, row: int, tag: int, send: np.ndarray, world: int):
+        """The receive of ``peer``'s medium payload: into the caller's output where
+        _landing allows, else into this peer's pooled row."""
+        landing = self._landing(peer, send, world)
+        if landing is None:
+            return plane.recv(self._buffers.data[row], tag | wire.mid_bits(peer), desc=self._buffers.data_descs[row])
+        self._landed[peer] = landing
+        return plane.recv(landing.view(np.uint8), tag | wire.mid_bits(peer))
+
+    def _landing(self, peer: int, send: np.ndarray, world: int) -> Optional[np.ndarray]:
+        """Where ``peer``'s medium payload may arrive straight in the output, or None.
+
+        A reduction lands the first operand in rank order that is not this
+        rank's own (rank 1's on rank 0, rank 0's elsewhere) on the output, out of
+        place only, so that the first combine writes over one of its operands:
+        numpy's ufuncs ran 2.4-2.7x faster so than into a third array here (float32
+        sum of 1 MiB: 44 against 118 us), and a copy first costs what it saves.
+        The received bytes are exactly the row's; a peer whose fingerprint does
+        not match may have written the output by the time the MismatchError is
+        raised, as an error leaves the output undefined anyway."""
+        first_other = 1 if self.engine.rank == 0 else 0
+        if peer != first_other or np.may_share_memory(send, self.out):
+            return None
+        return self.out
+
+    def _received_bytes(self) -> int:
+        """What one peer's payload message brings (medium: its own receive buffer per peer)."""
+        return self.mine.nbytes
+
+    per_peer = False  # every peer gets the whole input (True: block j of it goes to rank j)
+    reduces = True  # what arrives is reduced into out (False: placed)
+
+    def _sends_to(self, peer: int) -> bool:
+        return True  # a payload, not only the fingerprint
+
+    def _receives_from(self, peer: int) -> bool:
+        return True
+
+    def _own_input(self, send: np.ndarray, out: np.ndarray, me: int, world: int) -> np.ndarray:
+        """What this rank combines of its own (its block of the input when blocks
+        go per peer). Ranks 0 and 1 reduce theirs first (out = in0 op in1,
+        element by element), so only a later rank reducing in place needs a copy
+        of it; what is placed is never overwritten before it is read.
+        may_share_memory: bounds only, 5x cheaper than shares_memory; a false
+        positive costs a copy."""
+        mine = _block(send, me, world) if self.per_peer else send
+        return mine.copy() if self.reduces and me >= 2 and np.may_share_memory(mine, out) else mine
+
+    def _advance(self) -> bool:
+        moved = self._take_arrivals()
+        if self._recvs or not all(r.completed for r in self._sends):
+            return moved
+        for req in self._sends:
+            req.check_error()
+        self._combine()
+        self._complete()
+        return True
+
+    def _take_arrivals(self) -> bool:
+        """Accept what arrived: each peer's fingerprint message, then (medium) its
+        payload, looked at only once its fingerprint matched."""
+        moved = False
+        still = []
+        for item in self._recvs:
+            req, peer, row, plane, is_data = item
+            if not req.completed:
+                still.append(item)
+                continue
+            moved = True
+            self._accept(req, peer, row, plane, is_data)
+            if not is_data and peer in self._data_recvs:
+                still.append((self._data_recvs.pop(peer), peer, row, plane, True))  # now its payload
+        self._recvs = still
+        return moved
+
+    def _complete(self) -> None:
+        """Every request completed: the buffers go back for the next call (never
+        after a failure, where UCX may still hold them)."""
+        self.engine.give_direct_buffers(self._buffers)
+        self._got = self._buffers = None
+        if self.finalize is not None:
+            self.finalize()
+        self._finish()
+
+    def _check_arrival(self, req, peer: int, plane, stage=None) -> None:
+        """A completed receive's error, as a TransportError naming the plane and the peer."""
+        try:
+            req.check_error()
+        except Exception as exc:
+            raise TransportError(f"{type(exc).__name__}: {exc}", rank=self.engine.rank, plane=plane.name,
+                                 peer=peer, op=self.name, stage=stage) from None
+
+    def _accept(self, req, peer: int, row: int, plane, is_data: bool) -> None:
+        self._check_arrival(req, peer, plane)
+        if is_data:
+            landed = self._landed.get(peer)
+            self._got[peer] = landed if landed is not None else self._buffers.data[row].view(self.mine.dtype)
+            return
+        buf = self._buffers.rows[row]
+        if self.fingerprint is not None:
+            check_fingerprint(self, buf, peer, self.others, self.wire_seq)
+        if peer not in self._data_recvs and self._receives_from(peer):
+            self._got[peer] = buf[FP_BYTES:FP_BYTES + self.mine.nbytes].view(self.mine.dtype)
+
+    def _fail(self, exc: BaseException) -> None:
+        # Receives still posted (a mismatched peer's payload never comes) and
+        # sends in flight keep their buffers alive until UCX lets go.
+        pending = [item[0] for item in self._recvs] + list(self._data_recvs.values()) + self._sends
+        for req in pending:
+            if not req.completed:
+                self.engine.park(req, (self._buffers, self.mine, self.out))
+        super()._fail(exc)
+
+    def _combine(self) -> None:
+        got, me = self._got, self.engine.rank
+        got[me] = self.mine  # 1-D, like the received parts (arrays.check_array)
+        reduce_to(self.out, got[0], got[1], self.op)  # no copy of got[0] first: same order, one pass
+        for r in range(2, len(got)):
+            reduce_into(self.out, got[r], self.op)
+
+    def describe_stall(self) -> dict:
+        waiting = sorted({peer for _, peer, _, _, _ in self._recvs})
+        return {"stage": 0, "peer": waiting, "plane": sorted({item[3].name for item in self._recvs}) or "control",
+                "waiting_for": f"the message of ranks {waiting}"}
+
+    def stats(self) -> dict:
+        out = super().stats()
+        out.update(algorithm=self.algorithm, channels=1, policy="direct", stages=[])
+        return out
+
+
+class DirectBlocksAllReduceOp(DirectAllReduceOp):
+    """A medium all_reduce as a reduce-scatter then an all-gather of blocks,
+    behind the direct path's fingerprint messages: each rank sends rank j
+    block j of its input, reduces its own block over every rank's part in rank
+    order 0..p-1 (the full exchange's order: its result, bit for bit), then
+    sends that block to every other rank, straight into their outputs. On 2
+    ranks these are the two-step executor's exchanges of halves, without its
+    agreement round: like the rest of the direct path every rank takes it from
+    the configuration and the call alone. Each rank sends 2 (p - 1) / p of its
+    input and reduces one block, where the full exchange (DirectAllReduceOp)
+    sends (p - 1) inputs and reduces p, for twice the messages; it replaces it
+    from DIRECT_BLOCKS_MIN_BYTES.
+
+    The receives of the reduced blocks are posted at the start, into the
+    output: a peer sends its block only after it matched this rank's
+    fingerprint and took this rank's part of that block, so even in place
+    nothing still to be sent is overwritten, and a mismatched peer sends none.
+    """
+
+    algorithm = "direct_blocks"
+
+    def __init__(self, engine, seq, send: np.ndarray, out: np.ndarray, op: str, world: int,
+                 fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,
+                 name: str = "all_reduce"):
+        n = send.size
+        self._blocks = [slice(j * n // world, (j + 1) * n // world) for j in range(world)]  # of input and output
+        self._in_place = np.may_share_memory(send, out)
+        self._gather_recvs: list = []  # (request, peer, plane): the peers' reduced blocks
+        self._reduced = False
+        super().__init__(engine, seq, send, out, op, world, fingerprint, finalize, name)
+
+    def _own_input(self, send: np.ndarray, out: np.ndarray, me: int, world: int) -> np.ndarray:
+        return send  # only this rank's own block may need a copy (_reduce_own_block)
+
+    def _received_bytes(self) -> int:
+        return self.mine[self._blocks[self.engine.rank]].nbytes  # a peer's part of the block this rank owns
+
+    def _landing(self, peer: int, send: np.ndarray, world: int) -> Optional[np.ndarray]:
+        """The first other operand of the block this rank owns, in its output (see the base class)."""
+        landing = super()._landing(peer, send, world)
+        return None if landing is None else landing[self._blocks[self.engine.rank]]
+
+    def _post_medium(self, send: np.ndarray, world: int, layout: "DirectLayout") -> None:
+        engine, me = self.engine, self.engine.rank
+        part_tag = wire.make_tag(wire.KIND_CTRL, engine.comm_id, self.wire_seq, 0, wire.CTRL_DIRECT_PART)
+        reduced_tag = wire.make_tag(wire.KIND_CTRL, engine.comm_id, self.wire_seq, 0, wire.CTRL_DIRECT_REDUCED)
+        self._reduced_tag = reduced_tag | wire.mid_bits(me)
+        planes = [engine.control_plane(peer) for peer in layout.others]
+        self._planes = planes
+        for row, (peer, plane) in enumerate(zip(layout.others, planes)):
+            self._post_fingerprint(row, peer, plane, layout)
+            self._data_recvs[peer] = self._post_payload_recv(plane, peer, row, part_tag, send, world)
+            block = self.out[self._blocks[peer]]
+            self._gather_recvs.append((plane.recv(block.view(np.uint8), reduced_tag | wire.mid_bits(peer)),
+                                       peer, plane))
+        for peer, plane in zip(layout.others, planes):
+            part = send[self._blocks[peer]]
+            self._sends.append(plane.send(peer, part.view(np.uint8), part_tag | wire.mid_bits(me)))
+            self.bytes_per_plane[plane.name] += part.nbytes
+
+    def _advance(self) -> bool:
+        moved = self._take_arrivals()
+        if self._recvs:
+            return moved
+        if not self._reduced:
+            self._reduce_own_block()
+            moved = True
+        if not all(r.completed for r, _, _ in self._gather_recvs) or not all(r.completed for r in self._sends):
+            return moved
+        for req, peer, plane in self._gather_recvs:
+            self._check_arrival(req, peer, plane, stage="direct blocks: reduced block")
+        for req in self._sends:
+            req.check_error()
+        self._complete()
+        return True
+
+    def _reduce_own_block(self) -> None:
+        """out[own] = in_0 op in_1 op ... in_(p-1) over this rank's block, then that block to every peer."""
+        me = self.engine.rank
+        own = self._blocks[me]
+        mine = self.mine[own]
+        if me >= 2 and self._in_place:
+            mine = mine.copy()  # reduced into after ranks 0 and 1: the output overwrites it first
+        parts = [mine if r == me else self._got[r] for r in range(len(self._blocks))]
+        result = self.out[own]
+        reduce_to(result, parts[0], parts[1], self.op)
+        for part in parts[2:]:
+            reduce_into(result, part, self.op)
+        for peer, plane in zip(self.others, self._planes):
+            self._sends.append(plane.send(peer, result.view(np.uint8), self._reduced_tag))
+            self.bytes_per_plane[plane.name] += result.nbytes
+        self._reduced = True
+
+    def _fail(self, exc: BaseException) -> None:
+        for req, _, _ in self._gather_recvs:
+            if not req.completed:
+                self.engine.park(req, self.out)  # it writes into the caller's output
+        super()._fail(exc)
+
+    def describe_stall(self) -> dict:
+        if self._recvs or not self._gather_recvs:
+            return super().describe_stall()
+        waiting = [peer for req, peer, _ in self._gather_recvs if not req.completed]
+        return {"stage": 1, "peer": waiting, "plane": sorted({p.name for p in self._planes}),
+                "waiting_for": f"the reduced blocks of ranks {waiting}" if waiting
+                else "the peers to take this rank's messages"}
+
+
+class DirectShmAllReduceOp(DirectAllReduceOp):
+    """A 2-rank all_reduce of halves through the shared-memory segments
+    (shm_steps.py), behind the direct path's fingerprint messages: the direct
+    blocks' reduce-scatter and all-gather with a copy and a flag in place of
+    each message. Chosen like the rest of the direct path, from the
+    configuration and the call alone (comm._run_direct): every rank opened the
+    segments or none did (transports/shm.open_pair). A rank completes only
+    once its peer's fingerprint matched: a peer that called something else
+    gets its MismatchError as on the rest of the direct path (the output may
+    then hold anything, as after any error).
+
+    One outbox per rank: operations in flight together (async_op) take the
+    segments in turn, in the order they were submitted (the same on both
+    ranks): an operation starts its steps once the one before it finished
+    here, which was once the peer had taken everything from this outbox."""
+
+    algorithm = "direct_shm"
+
+    def __init__(self, engine, seq, send: np.ndarray, out: np.ndarray, op: str, world: int,
+                 fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,
+                 name: str = "all_reduce"):
+        super().__init__(engine, seq, send, out, op, world, fingerprint, finalize, name)
+        self._pair = engine.shm  # the segments this call was chosen for (the engine's may change later)
+        self._steps: Optional[ShmSteps] = None
+        self._start_steps()
+        self.bytes_per_plane[UP] += send.nbytes  # its part of the peer's half, then the peer's copy of its own
+
+    def _start_steps(self) -> bool:
+        """Take the segments if no earlier operation holds them (Engine.shm_holder)."""
+        if self.engine.shm_holder is not None:
+            return False
+        self.engine.shm_holder = self
+        self._steps = ShmSteps(self._pair, self.seq, self.engine.rank, self.mine, self.out, self.op)
+        return True
+
+    def _own_input(self, send: np.ndarray, out: np.ndarray, me: int, world: int) -> np.ndarray:
+        return send  # the steps read each half before anything writes over it
+
+    def _sends_to(self, peer: int) -> bool:
+        return False  # the fingerprint alone: the halves go through the segments
+
+    def _receives_from(self, peer: int) -> bool:
+        return False
+
+    def _received_bytes(self) -> int:
+        return 0
+
+    def _advance(self) -> bool:
+        moved = self._take_arrivals()
+        if self._steps is None and not self._start_steps():
+            return moved
+        moved |= self._steps.advance()
+        if self._recvs or not self._steps.done or not all(r.completed for r in self._sends):
+            return moved
+        for req in self._sends:
+            req.check_error()
+        self._release()
+        self._complete()
+        return True
+
+    @property
+    def polls_memory(self) -> bool:
+        """Only once the peer's fingerprint is here: it sends that first, so until
+        then a plane event wakes this rank, and a peer that comes late (uneven
+        work between collectives) costs no spinning."""
+        return not self._recvs
+
+    def _release(self) -> None:
+        if self.engine.shm_holder is self:
+            self.engine.shm_holder = None
+
+    def _fail(self, exc: BaseException) -> None:
+        self._release()
+        super()._fail(exc)
+
+    def describe_stall(self) -> dict:
+        if self._recvs:
+            return super().describe_stall()
+        waiting = "an earlier operation to let go of the segments" if self._steps is None else self._steps.waiting_for
+        return {"stage": "direct shm", "peer": list(self.others), "plane": UP, "waiting_for": waiting}
+
+
+class DirectReduceScatterOp(DirectAllReduceOp):
+    """A reduce_scatter as one message per peer: block j of the input to rank j,
+    the blocks received reduced in rank order like the direct all_reduce. A
+    ring sends the same (p - 1) blocks per rank, in p - 1 DAG stages."""
+
+    per_peer = True
+
+
+class DirectAllGatherOp(DirectAllReduceOp):
+    """An all_gather as one message per peer: the same messages as the direct
+    all_reduce (each rank's block to every other rank, behind its fingerprint),
+    placed instead of reduced. A ring all_gather sends each rank the same
+    (p - 1) blocks, in p - 1 stages of the DAG engine."""
+
+    reduces = False
+
+    def _landing(self, peer: int, send: np.ndarray, world: int) -> Optional[np.ndarray]:
+        """Every peer's block straight into its place in the output, unless the
+        input overlaps the output elsewhere than in this rank's own block (where
+        an in-place all_gather keeps it; an in-place all_to_all sends from every
+        block it receives into)."""
+        n = self.mine.size
+        own = self.out[self.engine.rank * n:(self.engine.rank + 1) * n]
+        if np.may_share_memory(send, self.out) and not (send.ctypes.data == own.ctypes.data and send.size == n):
+            return None
+        return self.out[peer * n:(peer + 1) * n]
+
+    def _combine(self) -> None:
+        n = self.mine.size
+        for peer, part in self._got.items():
+            if peer not in self._landed:
+                self.out[peer * n:(peer + 1) * n] = part
+        own = self.out[self.engine.rank * n:(self.engine.rank + 1) * n]
+        if own.ctypes.data != self.mine.ctypes.data:  # not in place
+            own[...] = self.mine
+
+
+class DirectAllToAllOp(DirectAllGatherOp):
+    """An all_to_all as one message per peer (block j to rank j), placed."""
+
+    per_peer = True
+
+
+class _RootedDirectOp(DirectAllReduceOp):
+    """A direct operation with a root (broadcast, reduce)."""
+
+    def __init__(self, *args, root: int = 0, **kwargs):
+        self.root = root
+        super().__init__(*args, **kwargs)
+
+
+class DirectReduceOp(_RootedDirectOp):
+    """A reduce as one message from every other rank to the root, reduced there
+    in rank order like the direct all_reduce; the root sends the others its
+    fingerprint alone, so they learn of a mismatch too."""
+
+    def _sends_to(self, peer: int) -> bool:
+        return self.engine.rank != self.root and peer == self.root
+
+    def _receives_from(self, peer: int) -> bool:
+        return self.engine.rank == self.root
+
+    def _combine(self) -> None:
+        if self.engine.rank == self.root:
+            super()._combine()
+
+
+class DirectBroadcastOp(_RootedDirectOp):
+    """A broadcast as one message from the root to every other rank; the
+    others send the root their fingerprint alone, so it learns of a mismatch
+    too. A pipelined broadcast sends the same bytes in many DAG stages."""
+
+    reduces = False
+
+    def _sends_to(self, peer: int) -> bool:
+        return self.engine.rank == self.root
+
+    def _receives_from(self, peer: int) -> bool:
+        return peer == self.root
+
+    def _landing(self, peer: int, send: np.ndarray, world: int) -> Optional[np.ndarray]:
+        """The root's payload straight into the output (a rank that receives sends none)."""
+        return self.out
+
+    def _combine(self) -> None:
+        if self.engine.rank != self.root and self.root not in self._landed:
+            self.out[...] = self._got[self.root]
+
+
+def _block(send: np.ndarray, rank: int, world: int) -> np.ndarray:
+    """Block ``rank`` of ``send`` cut into ``world`` equal blocks (reduce_scatter, all_to_all)."""
+    n = send.size // world
+    return send[rank * n:(rank + 1) * n]
+
+
+@dataclass(frozen=True)
+class DirectLayout:
+    """A direct operation's messages for one call shape (DirectAllReduceOp._layout_key),
+    on one rank: kept on the engine (Engine.direct_layouts)."""
+
+    others: tuple  # the peers, in rank order: row i of the buffers is others[i]
+    sends_to: tuple  # per row: a payload goes to that peer (else the fingerprint alone)
+    receives_from: tuple  # per row: a payload comes from that peer
+    medium: bool  # payloads travel in messages of their own, after the fingerprint messages
+    inline_sends: int  # payload bytes in this rank's fingerprint message
+    buffer_key: tuple  # Engine.direct_buffers' arguments
+    send_tag: int  # this rank's fingerprint message, but for its sequence number (wire.seq_bits)
+    recv_tags: tuple  # per row: the peer's fingerprint message, but for its sequence number
+
+
+class DirectBuffers:
+    """A direct all_reduce's message buffers and their UCX descriptors, reused
+    from call to call (Engine.direct_buffers): allocating and describing them
+    was ~4 us of a ~30 us 8-byte all_reduce. ``payload``: the fingerprint and
+    an inline input; ``rows``: one fingerprint receive per peer; ``data``: one
+    medium payload receive per peer (zero columns for an inline one)."""
+
+    __slots__ = ("key", "payload", "rows", "data", "payload_desc", "row_descs", "data_descs", "nbytes", "fingerprint")
+
+    def __init__(self, inline: int, capacity: int, npeers: int, separate: int, describe: Callable):
+        self.key = (inline, capacity, npeers, separate)
+        self.payload = np.empty(FP_BYTES + inline, dtype=np.uint8)
+        self.rows = np.empty((npeers, capacity), dtype=np.uint8)
+        self.data = np.empty((npeers, separate), dtype=np.uint8)
+        self.payload_desc = describe(self.payload)
+        self.row_descs = [describe(row) for row in self.rows]
+        self.data_descs = [describe(row) for row in self.data] if separate else []
+        self.nbytes = self.payload.nbytes + self.rows.nbytes + self.data.nbytes
+        self.fingerprint = False  # the Fingerprint (or None) written in payload; False: nothing yet
+
+
+def fp_blob_capacity(engine, world: int) -> int:
+    """Bytes a fingerprint message may carry after the fingerprint: piggybacked
+    estimates, or a direct all_reduce's payload (so either kind of message fits
+    the other's receive, and a mismatch between them is reported, not truncated).
+    Kept on the engine: every small all_reduce asks."""
+    capacity = engine.fp_capacity.get(world)
+    if capacity is None:
+        blob = 1 + engine.controller.blob_capacity(world - 1) if engine.controller is not None else 0  # + declaration
+        capacity = engine.fp_capacity[world] = max(blob, DIRECT_MAX_BYTES)
+    return capacity

@@ -1,0 +1,368 @@
+"""Split decisions and per-flow state: what a stage sends on which plane.
+
+A Splitter turns the path policy (and, under 'adaptive', the controller) into
+each flow's split and the planes' windows; OutFlow / InFlow carry a flow's
+chunks and their accounting (every chunk index claimed once, with its exact
+length); StageRun times a stage and files the delivery samples the controller
+learns from. Used by collective operations and point-to-point alike.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from . import wire
+from .algorithms.schedule import Flow, Stage
+from .windows import OUT, UP, FlowCursor, boundary_for, chunk_count, chunk_range
+
+MIN_CHUNK_BYTES = 64 << 10
+MIN_SAMPLE_BYTES = 64 << 10  # smaller chunks measure latency and skew, not a link's rate
+SHORT_STAGE_S = 0.005  # stages shorter than this reuse a controller decision ...
+REUSE_MAX = 7  # ... up to this many times before deciding afresh
+# While every rank has 'out' dropped and no probe is due there is nothing to
+# decide (everything goes on 'up'): a short stage's decision is reused for longer.
+REUSE_MAX_SETTLED = 15
+MAX_WINDOW_BYTES = 8 << 20  # more in flight only pushes chunks out of cache before they are reduced
+
+
+# ---------------------------------------------------------------------------
+# split decisions
+# ---------------------------------------------------------------------------
+@dataclass
+class FlowSplit:
+    boundary_bytes: int  # bytes planned on 'up' (a prefix of the flow)
+    steal: bool
+    out_cap_bytes: Optional[int] = None
+
+
+@dataclass
+class StagePlan:
+    splits: dict[int, FlowSplit]  # flow id -> split
+    window_bytes: dict[str, int]
+    reason: dict = field(default_factory=dict)
+    cache_key: Optional[tuple] = None  # set when the split came from (or went into) the DecisionCache
+
+
+@dataclass
+class _CachedDecision:
+    splits: list  # FlowSplit per flow, in the demand's order
+    window_bytes: dict
+    reason: dict
+    uses: int = 0
+    stage_s: float = float("inf")  # realised time of the last stage that used it
+    up_only: bool = False  # every flow wholly on 'up' (the only decision a settled controller makes)
+
+
+class DecisionCache:
+    """Reuses a controller decision across operations when stages are short.
+
+    A decision costs ~0.15 ms of Python; on a stage of a few milliseconds that
+    is several percent. For a demand (the same bytes to the same peers) whose
+    last stage took under SHORT_STAGE_S, the previous decision is reused up to
+    REUSE_MAX times before the controller decides (and probes, and judges)
+    again. Long stages always get a fresh decision, so convergence after a
+    change is as fast as the controller makes it where the bytes are.
+    """
+
+    def __init__(self):
+        self._entries: dict = {}
+
+    def get(self, key, settled: bool = False) -> Optional[_CachedDecision]:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        if entry.stage_s >= SHORT_STAGE_S:
+            # Long stages always decide: the decision costs nothing next to them
+            # and its feedback keeps the solo record a probe is judged against
+            # fresh (reused while 'out' was dropped, the testbed's probes were
+            # judged against stale records and 'out' never came back).
+            return None
+        if entry.uses >= (REUSE_MAX_SETTLED if settled and entry.up_only else REUSE_MAX):
+            return None
+        entry.uses += 1
+        return entry
+
+    def put(self, key, entry: _CachedDecision) -> None:
+        if len(self._entries) > 256:
+            self._entries.clear()
+        self._entries[key] = entry
+
+    def note_stage_time(self, key, seconds: float) -> None:
+        entry = self._entries.get(key)
+        if entry is not None:
+            entry.stage_s = seconds
+
+
+class Splitter:
+    """Turns the communicator's path policy into per-stage splits.
+
+    Fixed policies ('up', 'out', a fraction) are decided here; 'adaptive'
+    asks the controller (mpccs.control) when one is attached.
+    """
+
+    def __init__(self, policy, planes: dict, window_bytes: dict[str, int], controller=None,
+                 cache: Optional[DecisionCache] = None, name: Optional[str] = None):
+        self.policy = policy
+        # What the caller asked for: 'adaptive' also when a settled controller
+        # had nothing to decide and the operation runs as 'up' (comm._run).
+        self.name = name or _policy_name(policy)
+        self.planes = planes
+        self.window_bytes = window_bytes
+        self.controller = controller
+        self.cache = cache
+
+    def without(self, down) -> "Splitter":
+        """The same policy on the planes that are not down."""
+        live = {n: p for n, p in self.planes.items() if n not in down}
+        return Splitter(self.policy, live, self.window_bytes, self.controller, self.cache, self.name)
+
+    def reach(self, peer: int) -> tuple[bool, bool]:
+        up = self.planes.get(UP)
+        out = self.planes.get(OUT)
+        return (up is not None and up.reaches(peer), out is not None and out.reaches(peer))
+
+    @property
+    def can_steal(self) -> bool:
+        """Stealing is paced by send completions; only sound where they mean delivery."""
+        return all(p.completion_means_delivery for p in self.planes.values())
+
+    def plan(self, flows: list[tuple[Flow, int]], now: float, chunk_bytes: Optional[int] = None,
+             others: tuple = (), epoch: Optional[int] = None) -> StagePlan:
+        """flows: (flow, nbytes) this rank sends in the stage; others: the
+        stage's flows from other ranks, which the controller splits together
+        with ours (the coflow) from their piggybacked estimates."""
+        if self.policy == "adaptive" and self.controller is not None:
+            if sum(n for _, n in flows) >= self.controller.config.min_multipath_bytes:
+                return self._adaptive(flows, now, chunk_bytes, others, epoch)
+            # Too small for a second plane to pay (the controller would say the
+            # same, at the cost of a decision): the configured single plane.
+            splits = {f.id: FlowSplit(nbytes, False) for f, nbytes in flows}
+            return StagePlan(splits, dict(self.window_bytes), {"policy": "adaptive", "fallback": "small"})
+        splits = {f.id: self._fixed(f, nbytes) for f, nbytes in flows}
+        return StagePlan(splits, dict(self.window_bytes), {"policy": _policy_name(self.policy)})
+
+    def _fixed(self, flow: Flow, nbytes: int) -> FlowSplit:
+        up_ok, out_ok = self.reach(flow.dst)
+        policy = self.policy
+        if not (up_ok and out_ok):
+            return FlowSplit(nbytes if up_ok else 0, False)
+        if policy == "out":
+            return FlowSplit(0, False)
+        if isinstance(policy, float):
+            return FlowSplit(int(round(policy * nbytes)), False)
+        # 'up', and 'adaptive' without a controller: the single-plane default.
+        return FlowSplit(nbytes, False)
+
+    def _adaptive(self, flows, now, chunk_bytes, others=(), epoch=None) -> StagePlan:
+        key = (tuple((f.dst, n) for f, n in flows), chunk_bytes)
+        cached = None
+        if self.cache is not None:
+            cached = self.cache.get(key, settled=not self.controller.may_use(OUT, epoch))
+        if cached is not None and (self.controller.probe_due(epoch)
+                                   or (epoch is not None and self.controller.probe_due(epoch + 1))):
+            # Every rank probes in this operation: a reused decision must not
+            # skip it. Nor the operation before: its solo stages are the record
+            # the probe is judged against (reused, the record was the first
+            # operation's cold stage, 1.8 ms where warm ones take 0.9, and every
+            # probe looked like a gain).
+            cached = None
+        if cached is not None:
+            splits = {f.id: s for (f, _), s in zip(flows, cached.splits)}
+            return StagePlan(splits, cached.window_bytes, {**cached.reason, "reused": cached.uses}, key)
+        plan = self._decide(flows, now, chunk_bytes, others, epoch)
+        mine = str(flows[0][0].src) if flows else None
+        mode = plan.reason.get("ranks", {}).get(mine, {}).get("mode")
+        if self.cache is not None and mode not in ("probe", "check"):
+            # A probe or check is one measured stage; reused, it became eight
+            # in a row (the default planes lost 26-38% at 2 MiB to probing 'out').
+            reason = {k: v for k, v in plan.reason.items() if k != "decision"}
+            splits = [plan.splits[f.id] for f, _ in flows]
+            up_only = all(sp.boundary_bytes >= n and not sp.steal for sp, (_, n) in zip(splits, flows))
+            self.cache.put(key, _CachedDecision(splits, plan.window_bytes, reason, up_only=up_only))
+            plan.cache_key = key
+        return plan
+
+    def _decide(self, flows, now, chunk_bytes, others=(), epoch=None) -> StagePlan:
+        from .control import FlowDemand
+
+        demands = []
+        for f, nbytes in flows:
+            up_ok, out_ok = self.reach(f.dst)
+            planes = tuple(p for p, ok in ((UP, up_ok), (OUT, out_ok)) if ok)
+            demands.append(FlowDemand(flow_id=f.id, src=f.src, dst=f.dst, nbytes=nbytes, planes=planes))
+        mine = flows[0][0].src if flows else None
+        for f, nbytes in others:
+            # Another rank's flow: the planes it can use, as far as this rank can
+            # tell (a plane that reaches both ends from here reaches between them).
+            planes = tuple(p for p in (UP, OUT) if p in self.planes
+                           and all(r == mine or self.planes[p].reaches(r) for r in (f.src, f.dst)))
+            if planes and nbytes:
+                demands.append(FlowDemand(flow_id=f.id, src=f.src, dst=f.dst, nbytes=nbytes, planes=planes))
+        decision = self.controller.decide(demands, now, chunk_bytes=chunk_bytes, epoch=epoch)
+        steal = decision.steal and self.can_steal
+        splits = {
+            f.id: FlowSplit(decision.up_bytes.get(f.id, 0), steal, decision.out_cap_bytes.get(f.id))
+            for f, _ in flows
+        }
+        windows = {p: min(max(decision.window_bytes.get(p, 0), self.window_bytes[p]), MAX_WINDOW_BYTES) for p in self.window_bytes}
+        return StagePlan(splits, windows, {"policy": "adaptive", **decision.reason, "decision": decision})
+
+
+def _policy_name(policy) -> str:
+    return f"{policy:g}" if isinstance(policy, float) else str(policy)
+
+
+# ---------------------------------------------------------------------------
+# per-flow state
+# ---------------------------------------------------------------------------
+def cursor_for(split: FlowSplit, nchunks: int, nbytes: int, chunk_bytes: int, reach: tuple[bool, bool]) -> FlowCursor:
+    """Clamp a planned split to what the planes can do, so no chunk is ever stranded.
+
+    A plane that does not reach the peer gets nothing (whatever a policy or
+    controller said); the QoS cap binds 'out' only where 'up' can take the
+    rest, and the chunks it keeps from 'out' move to 'up'.
+    """
+    up_ok, out_ok = reach
+    if not up_ok:
+        return FlowCursor(nchunks, 0, False, None)
+    if not out_ok:
+        return FlowCursor(nchunks, nchunks, False, 0)
+    boundary = boundary_for(split.boundary_bytes, nbytes, nchunks)
+    cap = None if split.out_cap_bytes is None else min(nchunks, split.out_cap_bytes // chunk_bytes)
+    if cap is not None:
+        boundary = max(boundary, nchunks - cap)
+    return FlowCursor(nchunks, boundary, split.steal, cap)
+
+
+class OutFlow:
+    __slots__ = ("flow", "view", "chunk_elems", "itemsize", "cursor", "tag_base", "peer", "pending")
+
+    def __init__(self, flow: Flow, view: np.ndarray, chunk_elems: int, split: FlowSplit, tag_base: int,
+                 reach: tuple[bool, bool] = (True, True)):
+        self.flow = flow
+        self.view = view  # typed 1-D source range
+        self.chunk_elems = chunk_elems
+        self.itemsize = view.dtype.itemsize
+        nchunks = chunk_count(flow.count, chunk_elems)
+        self.cursor = cursor_for(split, nchunks, flow.count * self.itemsize, chunk_elems * self.itemsize, reach)
+        self.tag_base = tag_base
+        self.peer = flow.dst
+        self.pending = 0  # chunks posted, not completed
+
+    @property
+    def done(self) -> bool:
+        return self.cursor.remaining() == 0 and self.pending == 0
+
+
+class InFlow:
+    __slots__ = ("flow", "view", "acc", "chunk_elems", "nchunks", "seen", "arrived", "tag_base", "reduce", "peer",
+                 "planes")
+
+    def __init__(self, flow: Flow, view: np.ndarray, chunk_elems: int, tag_base: int, planes: list,
+                 acc: Optional[np.ndarray] = None):
+        self.flow = flow
+        self.view = view  # typed 1-D destination range
+        # A reducing flow whose destination still waits for its prologue copy
+        # reduces op(acc, incoming) into view: the copy and the reduction in one pass.
+        self.acc = acc
+        self.chunk_elems = chunk_elems
+        self.nchunks = chunk_count(flow.count, chunk_elems)
+        self.seen = bytearray(self.nchunks)
+        self.arrived = 0  # chunks whose data has landed (and been reduced)
+        self.tag_base = tag_base
+        self.reduce = flow.reduce
+        self.peer = flow.src
+        self.planes = planes
+
+    @property
+    def done(self) -> bool:
+        return self.arrived == self.nchunks
+
+    def recut(self, chunk_elems: int) -> None:
+        """The sender's chunk length, learnt before any of its chunks was accepted."""
+        if any(self.seen):
+            raise AssertionError("a flow is recut after chunks were accepted")
+        self.chunk_elems = chunk_elems
+        self.nchunks = chunk_count(self.flow.count, chunk_elems)
+        self.seen = bytearray(self.nchunks)
+
+    def claim(self, probe, itemsize: int) -> tuple[int, int, int]:
+        """Validate a probed chunk and mark it seen: (index, element offset, element count).
+
+        Raises ValueError with the reason when the chunk does not fit this flow
+        (index out of range, a duplicate, or a length other than expected).
+        """
+        index = wire.chunk_index(probe.sender_tag.value)
+        if index >= self.nchunks or self.seen[index]:
+            raise ValueError(f"chunk {index} of flow {self.flow.id} is "
+                             f"{'a duplicate' if index < self.nchunks else 'out of range'}")
+        offset, nelems = chunk_range(index, self.flow.count, self.chunk_elems)
+        if probe.length != nelems * itemsize:
+            raise ValueError(f"chunk {index} of flow {self.flow.id} has {probe.length} bytes, "
+                             f"expected {nelems * itemsize}")
+        self.seen[index] = 1
+        return index, offset, nelems
+
+
+@dataclass
+class StageRun:
+    stage: Stage
+    outs: list
+    ins: list
+    plan: Optional[StagePlan]
+    t_start: float
+    t_end: Optional[float] = None
+    bytes_by_plane: dict = field(default_factory=lambda: {UP: 0, OUT: 0})
+    # (plane, peer) -> [first arrival, last arrival, bytes arrived, chunks arrived]
+    arrivals: dict = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return all(o.done for o in self.outs) and all(i.done for i in self.ins)
+
+    def note_arrival(self, plane: str, peer: int, nbytes: int, now: float) -> None:
+        record = self.arrivals.get((plane, peer))
+        if record is None:
+            self.arrivals[(plane, peer)] = [now, now, nbytes, 1]
+        else:
+            record[1] = now
+            record[2] += nbytes
+            record[3] += 1
+
+    def received_by_plane(self) -> dict:
+        """Bytes that arrived in this stage per plane (chunks of at least MIN_SAMPLE_BYTES)."""
+        got = {UP: 0, OUT: 0}
+        for (plane, _), (_, _, nbytes, _) in self.arrivals.items():
+            got[plane] += nbytes
+        return got
+
+    def delivery_samples(self):
+        """One delivery sample per (plane, peer) over the whole stage.
+
+        The estimator learns a link from what arrives over it: a receiver sees
+        delivered bytes whatever the protocol, while a sender's completion
+        under an eager protocol only means the socket took them. The sample
+        belongs to the peer's path to this rank (controller.on_delivery), and
+        the peer learns it from this rank's exported estimates. The interval
+        ends at the last arrival and starts at this rank's stage start, or
+        later when the peer evidently started later: its first chunk came
+        more than one chunk's spacing (the mean gap between its arrivals)
+        after the stage start. Arrival times alone mislead when a flow fits in
+        the socket buffers (the first chunk already waited for most of the
+        transfer: then the chunks land in a burst at the stage start, and the
+        spacing moves nothing). A late peer, counted from this rank's start,
+        read slow: under a load on one direction of a 2-rank ring the other
+        rank starts each all-gather late, its paths looked 30% slower than
+        they were, it became the critical rank of the plan, and the loaded
+        rank put everything on 'up' (testbed, 1.2x slower operations). The
+        estimator sees one chunk posted to an idle plane and fits rate and
+        delay from such samples (its idle-only model).
+        """
+        for (plane, peer), (first, last, nbytes, chunks) in self.arrivals.items():
+            start = self.t_start
+            if chunks > 1:
+                start = max(start, first - (last - first) / (chunks - 1))
+            if nbytes and last > start:
+                yield plane, peer, nbytes, start, last
