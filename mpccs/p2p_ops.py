@@ -28,6 +28,23 @@ P2P_INLINE = 1 << 63
 P2P_INBOXES_KEPT = 16  # pooled receive buffers (receives in flight at once reuse them)
 
 
+def _completed(pending: list, rank: int, peer: int, op: str) -> tuple[list, list]:
+    """Split a point-to-point operation's (request, plane, bytes) entries into the
+    finished ones, as (plane, bytes), and those still in flight; a request that
+    failed raises TransportError naming the plane and the peer."""
+    done, still = [], []
+    for req, plane, n in pending:
+        if not req.completed:
+            still.append((req, plane, n))
+            continue
+        try:
+            req.check_error()
+        except Exception as exc:
+            raise TransportError(str(exc), rank=rank, plane=plane.name, peer=peer, op=op) from exc
+        done.append((plane, n))
+    return done, still
+
+
 class SendOp(Operation):
     """Header -> wait for the receiver's accept -> chunks on both planes; or
     (small, P2P_INLINE_MAX_BYTES) the header with the payload inside -> the accept."""
@@ -112,20 +129,11 @@ class SendOp(Operation):
         return moved
 
     def _reap(self) -> bool:
-        still, moved = [], False
-        for req, plane, n in self.pending:
-            if not req.completed:
-                still.append((req, plane, n))
-                continue
-            try:
-                req.check_error()
-            except Exception as exc:
-                raise TransportError(str(exc), rank=self.engine.rank, plane=plane.name, peer=self.dst, op="send") from exc
+        done, self.pending = _completed(self.pending, self.engine.rank, self.dst, "send")
+        for plane, n in done:
             self.outflow.pending -= 1
             self.inflight[plane.name] -= n
-            moved = True
-        self.pending = still
-        return moved
+        return bool(done)
 
     def _check_ctrl(self, req) -> None:
         try:
@@ -204,19 +212,11 @@ class RecvOp(Operation):
                                         op="recv") from None
                 self.pending.append((plane.recv_probed(self.buf[offset : offset + n], probe), plane, n))
                 moved = True
-        still = []
-        for req, plane, n in self.pending:
-            if not req.completed:
-                still.append((req, plane, n))
-                continue
-            try:
-                req.check_error()
-            except Exception as exc:
-                raise TransportError(str(exc), rank=self.engine.rank, plane=plane.name, peer=self.src, op="recv") from exc
+        done, self.pending = _completed(self.pending, self.engine.rank, self.src, "recv")
+        for plane, n in done:
             self.inflow.arrived += 1
             self.bytes_per_plane[plane.name] += n
-            moved = True
-        self.pending = still
+        moved |= bool(done)
         if self.inflow.done and (self._reply_req is None or self._reply_req.completed):
             self._finish()
             return True
