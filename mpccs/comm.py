@@ -187,8 +187,6 @@ class Communicator:
         return sum(1 for r in range(self.rank) if self.hosts[r] == self.hosts[self.rank])
 
     def _open_planes(self, opts: Options) -> dict:
-        if self.gpu_direct:
-            staging.make_cuda_context()  # UCX's cuda transports need the context before the planes open
         settings = plane_settings(opts, self.gpu_direct, one_host=len(set(self.hosts)) == 1)
         planes = {name: Plane(name, tls, dev, self.rank) for name, (tls, dev) in settings.items()}
         if self.gpu_direct:

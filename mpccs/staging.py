@@ -80,19 +80,25 @@ def gpu_visible() -> bool:
 
 
 def offers_gpu_direct(mode: str) -> bool:
-    """This rank's offer of planes that read device memory (config.GPU_DIRECT_MODES)."""
+    """This rank's offer of planes that read device memory (config.GPU_DIRECT_MODES).
+    Offering creates the current device's CUDA context, which UCX's cuda transports
+    look for when the planes open; under 'auto' a GPU that cannot give one (held
+    by another process in exclusive mode, say) means no offer."""
     if mode == "off":
         return False
-    visible = gpu_visible()
-    if mode == "on" and not visible:
-        raise ConfigError("gpu_direct='on' (MPCCS_GPU_DIRECT=1) but cupy sees no GPU here; "
+    problem = None if gpu_visible() else "cupy sees no GPU here"
+    if problem is None:
+        try:
+            _make_cuda_context()
+        except Exception as exc:  # a CUDA error: the device is there but unusable
+            problem = f"no CUDA context on the current device ({type(exc).__name__}: {exc})"
+    if problem is not None and mode == "on":
+        raise ConfigError(f"gpu_direct='on' (MPCCS_GPU_DIRECT=1) but {problem}; "
                           "use 'auto' or 'off', or install cupy on a GPU machine")
-    return visible
+    return problem is None
 
 
-def make_cuda_context() -> None:
-    """Create the current device's CUDA context: UCX's cuda transports look for
-    one when the planes open."""
+def _make_cuda_context() -> None:
     import cupy
 
     cupy.zeros(1, cupy.uint8)

@@ -260,6 +260,22 @@ def test_gpu_direct_needs_cuda_copy_on_every_plane():
                                                                                                 "tcp/lo")})
 
 
+def test_gpu_direct_is_not_offered_on_a_gpu_without_a_context(monkeypatch):
+    # a GPU that cupy sees but cannot give a context (exclusive mode, a driver fault)
+    from mpccs import staging
+
+    def no_context():
+        raise RuntimeError("cudaErrorDevicesUnavailable")
+
+    monkeypatch.setattr(staging, "gpu_visible", lambda: True)
+    monkeypatch.setattr(staging, "_make_cuda_context", no_context)
+    assert staging.offers_gpu_direct("auto") is False
+    with pytest.raises(ConfigError, match="no CUDA context.*DevicesUnavailable"):
+        staging.offers_gpu_direct("on")
+    monkeypatch.setattr(staging, "_make_cuda_context", lambda: None)
+    assert staging.offers_gpu_direct("auto") is True
+
+
 def test_gpu_direct_offer_follows_the_machine():
     from mpccs import staging
 
