@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from .reduce import OPS, SUPPORTED_DTYPES
-from .staging import is_device_array
+from .staging import is_device_array, sync_current_stream
 
 
 _SUPPORTED = frozenset(SUPPORTED_DTYPES)  # a hash lookup, not a dozen dtype comparisons per call
@@ -82,9 +82,7 @@ def copy_into(dst, src) -> None:
     next: wait for it."""
     dst[...] = src
     if type(dst) is not np.ndarray:
-        import cupy
-
-        cupy.cuda.get_current_stream().synchronize()
+        sync_current_stream()
 
 
 def empty_like_memory(ref, count: int, dtype):

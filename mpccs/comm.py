@@ -458,7 +458,7 @@ class Communicator:
         """A data-movement collective on device views through the DAG engine (the
         direct and two-step paths read host memory); UCX moves the chunks."""
         staging.sync_current_stream()
-        staged = staging.DirectCall(staging.backend_for(buffers))
+        staged = staging.DirectCall(staging.CupyBackend(int(buffers["in"].device.id)))  # validated by the caller
         host_work = self._run(name, plan, buffers, buffers["in"].dtype, "sum", result, True)
         work = staging.DeviceWork(self, host_work, staged, result)
         return work if async_op else work.wait()

@@ -102,7 +102,7 @@ def _make_cuda_context() -> None:
     import cupy
 
     cupy.zeros(1, cupy.uint8)
-    cupy.cuda.get_current_stream().synchronize()
+    sync_current_stream()
 
 
 # ---------------------------------------------------------------------------
@@ -366,7 +366,7 @@ class DeviceReduction:
         if self.direct:
             with self.backend.scope():
                 return self._start_direct()
-        be, xp, p, b = self.backend, self.backend.xp, self.size, self.block
+        be, p, b = self.backend, self.size, self.block
         with be.scope():
             h_send = be.mirror(self._send.dtype, p * b)
             self.copies.to_host(self._send, h_send[:self.count])
@@ -376,28 +376,41 @@ class DeviceReduction:
             first.wait()
             d_blocks = be.empty(self._send.dtype, p * b)
             self.copies.to_device(h_blocks, d_blocks)
-            part = self._out if self.kind == "reduce_scatter" else be.empty(self._send.dtype, b)
-            reduce_blocks(xp, d_blocks.reshape(p, b), self.op, part)
-            if self.op == "avg":
-                device_avg(xp, part, p)
+            part = self._reduced_part(d_blocks)
             if self.kind == "reduce_scatter":
                 be.sync()  # the result is in place on the device: nothing follows
                 return first
             h_part = be.mirror(self._send.dtype, b)
             self.copies.to_host(part, h_part)
-            if self.kind == "all_reduce":
-                self._tail = be.mirror(self._send.dtype, p * b)
-                return self._run_host("all_gather", h_part, self._tail)
-            counts_out = [b if j == self.root else 0 for j in range(p)]
-            counts_in = [b] * p if self.rank == self.root else [0] * p
-            self._tail = be.mirror(self._send.dtype, p * b if self.rank == self.root else 0)
-            return self._run_host("all_to_allv", h_part, counts_out, self._tail, counts_in)
+            self._tail = be.mirror(self._send.dtype, self._tail_count())
+            return self._second_step(h_part)
+
+    def _reduced_part(self, blocks):
+        """This rank's block: the p blocks it received combined in rank order (avg divided once)."""
+        part = self._out if self.kind == "reduce_scatter" else self.backend.empty(self._send.dtype, self.block)
+        reduce_blocks(self.backend.xp, blocks.reshape(self.size, self.block), self.op, part)
+        if self.op == "avg":
+            device_avg(self.backend.xp, part, self.size)
+        return part
+
+    def _tail_count(self) -> int:
+        """Elements the second step gathers here: every block (all_reduce, the root of reduce) or none."""
+        return self.size * self.block if self.kind == "all_reduce" or self.rank == self.root else 0
+
+    def _second_step(self, part):
+        """All-gather (all_reduce) or gather to the root (reduce) of ``part`` into self._tail."""
+        if self.kind == "all_reduce":
+            return self._run_host("all_gather", part, self._tail)
+        b, p = self.block, self.size
+        counts_out = [b if j == self.root else 0 for j in range(p)]
+        counts_in = [b] * p if self.rank == self.root else [0] * p
+        return self._run_host("all_to_allv", part, counts_out, self._tail, counts_in)
 
     def _start_direct(self):
         """The same two steps on device buffers: the planes read and write them.
         Where the count fills the p blocks exactly, the input is the first step's
         send buffer and the output the second step's receive buffer (no copy)."""
-        be, xp, p, b = self.backend, self.backend.xp, self.size, self.block
+        be, p, b = self.backend, self.size, self.block
         dtype = self._send.dtype
         if self.kind == "reduce_scatter" or self.count == p * b:
             d_send = self._send
@@ -409,21 +422,13 @@ class DeviceReduction:
         be.sync()  # the caller's kernels (and the padding) are done before the planes read
         first = self._run_host("all_to_all", d_send, d_blocks)
         first.wait()
-        part = self._out if self.kind == "reduce_scatter" else be.empty(dtype, b)
-        reduce_blocks(xp, d_blocks.reshape(p, b), self.op, part)
-        if self.op == "avg":
-            device_avg(xp, part, p)
+        part = self._reduced_part(d_blocks)
         be.sync()  # the reduced block is written before it is sent (or returned)
         if self.kind == "reduce_scatter":
             return first
         whole = self._out is not None and self.count == p * b
-        if self.kind == "all_reduce":
-            self._tail = self._out if whole else be.empty(dtype, p * b)
-            return self._run_host("all_gather", part, self._tail)
-        counts_out = [b if j == self.root else 0 for j in range(p)]
-        counts_in = [b] * p if self.rank == self.root else [0] * p
-        self._tail = self._out if whole else be.empty(dtype, p * b if self.rank == self.root else 0)
-        return self._run_host("all_to_allv", part, counts_out, self._tail, counts_in)
+        self._tail = self._out if whole else be.empty(dtype, self._tail_count())
+        return self._second_step(part)
 
     def finish(self) -> None:
         """Write the gathered blocks into the output (DeviceWork calls it once)."""

@@ -13,6 +13,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..config import GPU_DIRECT_OUT_TLS, GPU_DIRECT_UP_TLS
 from ..errors import TransportError
 from .ucx import Array, ucx_api
 
@@ -21,9 +22,9 @@ from .ucx import Array, ucx_api
 _SHM_ONLY = {"posix", "sysv", "cma", "mm", "sm", "shm", "knem", "xpmem", "self", "cuda_ipc", "cuda_copy"}
 
 
-# GPU-direct adds these to a plane (config.GPU_DIRECT_*_TLS): they copy device
-# memory to and from the network's buffers and do not change how host memory goes.
-_DEVICE_COPY_TLS = {"cuda_copy", "cuda_ipc"}
+# What GPU-direct adds to a plane: transports that copy device memory to and from
+# the network's buffers; they do not change how host memory goes.
+_DEVICE_COPY_TLS = frozenset(GPU_DIRECT_UP_TLS + GPU_DIRECT_OUT_TLS)
 
 
 def default_rndv_thresh(tls: str) -> str:
