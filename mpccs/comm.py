@@ -19,8 +19,8 @@ from .bootstrap import Bootstrap, hostname, rendezvous
 from .config import (DEFAULT_UP_TLS_CPU, GPU_DIRECT_OUT_TLS, GPU_DIRECT_UP_TLS, Options, load_options, parse_policy,
                      with_device_tls)
 from .collective_op import CollectiveOp
-from .direct_ops import (DIRECT_BLOCKS_MIN_BYTES, DIRECT_MAX_BYTES, DIRECT_MEDIUM_BUDGET, DIRECT_SHM_MIN_BYTES,
-                         DirectAllGatherOp, DirectAllReduceOp, DirectAllToAllOp, DirectBlocksAllReduceOp,
+from .direct_ops import (DIRECT_BLOCKS_MIN_BYTES, DIRECT_CMA_MAX_BYTES, DIRECT_MAX_BYTES, DIRECT_MEDIUM_BUDGET,
+                         DIRECT_SHM_MIN_BYTES, DirectAllGatherOp, DirectAllReduceOp, DirectAllToAllOp, DirectBlocksAllReduceOp,
                          DirectBroadcastOp, DirectReduceOp, DirectReduceScatterOp, DirectShmAllReduceOp)
 from .engine import Engine
 from .flows import Splitter
@@ -131,7 +131,7 @@ class Communicator:
         self._engine.liveness = self._lost_local_peers
         if self.size == 2 and boot.store is not None:
             self._engine.shm = shm.open_pair(boot.store, self.rank, options.rendezvous_timeout_s,
-                                             willing=self._shm_willing(options))
+                                             willing=self._shm_willing(options), cma_willing=options.cma)
         self._telemetry = Telemetry(options.trace, self.rank)
         self._policy = None
         self.set_path_policy(options.path_policy)
@@ -686,7 +686,7 @@ class Communicator:
         if algorithm is not None or not 1 < self.size <= DIRECT_MAX_RANKS \
                 or self._tune.match(collective, call_bytes) is not None:
             return False
-        return (count * itemsize <= DIRECT_MAX_BYTES
+        return (count * itemsize <= DIRECT_MAX_BYTES or self._direct_by_cma(collective, call_bytes)
                 or self._direct_medium(collective, count, itemsize, call_bytes, root))
 
     def _direct_medium(self, collective: str, count: int, itemsize: int, call_bytes: int, root=None) -> bool:
@@ -703,6 +703,24 @@ class Communicator:
         plan = self._schedule(collective, count, call_bytes, root=root)
         return (plan.single_plane
                 or plan.schedule.max_stage_send() * itemsize < self._engine.controller.config.min_multipath_bytes)
+
+    def _direct_by_cma(self, collective: str, call_bytes: int) -> bool:
+        """A 2-rank all_reduce from DIRECT_SHM_MIN_BYTES to DIRECT_CMA_MAX_BYTES on a
+        pair that reads across processes (transports/shm.py: both ranks agreed at
+        set-up), under policy 'up' or 'adaptive': the direct path, its halves read
+        from the peer (cma_steps.py), on 'up' alone.
+
+        Under 'adaptive' this takes the call from the controller: both ranks are on
+        one host and 'up' is shared memory the ranks copy themselves, so the copy is
+        bound by the ranks' own cores and memory, which a second plane on the same
+        host (tcp through the same kernel and cores) shares rather than adds to; on
+        these machines the controller, measuring, dropped 'out' at every such size,
+        and its planning and probes cost 4-6% of the call (bench/adaptive_cost.py).
+        A testbed whose 'up' is a network has no segments, so its calls stay the
+        controller's. The same answer on every rank (configuration and call only)."""
+        pair = self._engine.shm
+        return (collective == "all_reduce" and pair is not None and pair.cma
+                and DIRECT_SHM_MIN_BYTES <= call_bytes <= DIRECT_CMA_MAX_BYTES and self._policy in (UP, "adaptive"))
 
     def _run_direct(self, name, send, out, op, result, async_op, finalize=None, root=None):
         # Always the control plane (scale-up where it reaches): both ends must
@@ -722,9 +740,11 @@ class Communicator:
 
     def _through_segments(self, send: np.ndarray) -> bool:
         """A direct all_reduce the shared-memory segments carry (DirectShmAllReduceOp):
-        2 ranks with the segments open, from DIRECT_SHM_MIN_BYTES, halves within the outbox."""
-        return (send.nbytes >= DIRECT_SHM_MIN_BYTES and self._engine.shm is not None
-                and shm_steps.fits(send.nbytes - send.nbytes // 2))
+        2 ranks with the segments open, from DIRECT_SHM_MIN_BYTES, halves within the
+        outbox, or up to DIRECT_CMA_MAX_BYTES where the pair reads across processes."""
+        pair = self._engine.shm
+        return (send.nbytes >= DIRECT_SHM_MIN_BYTES and pair is not None
+                and (shm_steps.fits(send.nbytes - send.nbytes // 2) or (pair.cma and send.nbytes <= DIRECT_CMA_MAX_BYTES)))
 
     def _avg(self, op, buf):
         return (lambda: finish_avg(buf, self.size)) if op == "avg" else None

@@ -182,6 +182,7 @@ class Options:
     failover: bool = True  # retry a collective on the plane left when one fails
     two_step: bool = True  # 2-rank all_reduce on 'up' alone: two messages each way, not the DAG (two_step.py)
     shm: bool = True  # 2 ranks on one host: blocks up to 2 MiB through shared-memory segments (shm_steps.py)
+    cma: bool = True  # with the segments: the two-step executor reads the peer's blocks by CMA (two_step_cma.py)
     device_reduce: str = "auto"  # where reductions of device arrays are computed (DEVICE_REDUCE_MODES)
     gpu_direct: str = "auto"  # planes that read device memory (GPU_DIRECT_MODES)
     plane_timeout_s: float = 1.0  # heartbeat silence that marks a plane down
@@ -209,6 +210,7 @@ _ENV = {
     "failover": ("MPCCS_FAILOVER", parse_bool),
     "two_step": ("MPCCS_TWO_STEP", parse_bool),
     "shm": ("MPCCS_SHM", parse_bool),
+    "cma": ("MPCCS_CMA", parse_bool),
     "device_reduce": ("MPCCS_DEVICE_REDUCE", lambda v: parse_device_reduce(v)),
     "gpu_direct": ("MPCCS_GPU_DIRECT", lambda v: parse_gpu_direct(v)),
     "plane_timeout_s": ("MPCCS_PLANE_TIMEOUT", float),

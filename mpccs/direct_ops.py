@@ -13,6 +13,7 @@ from .errors import TransportError
 from .fingerprint import Fingerprint
 from .operation import FP_BYTES, Operation, check_fingerprint
 from .reduce import reduce_into, reduce_to
+from .cma_steps import CmaSteps
 from .shm_steps import ShmSteps
 from .windows import UP
 
@@ -37,6 +38,17 @@ DIRECT_BLOCKS_MIN_BYTES = 640 << 10
 # 1.12-1.20x at 768 KiB-1.5 MiB, 1.04-1.05x below 2 MiB; at 256 KiB 0.95-1.01x
 # over four runs.
 DIRECT_SHM_MIN_BYTES = 384 << 10
+# Above this, where the pair allows cross-memory reads, the halves are read from
+# the peer's buffers (cma_steps.py) instead of copied through the outboxes, up to
+# DIRECT_CMA_MAX_BYTES: a 2-rank all_reduce of that size takes the direct path on
+# such a pair (comm._direct_by_cma). 2 ranks, default planes, float32, medians
+# of three with synchronised starts, two runs: through the outboxes 342-365 us at
+# 2 MiB, 675-694 at 4; by reads 353-361 / 586-624, 1062-1090 at 8 MiB, 1958-2050
+# at 16; as UCX blocks (DirectBlocksAllReduceOp) 367-383 / 629-645 / 1069-1116 /
+# 2036-2086; the two-step executor it replaces 417-435 / 639-677 / 1121-1160 /
+# 2052-2109.
+DIRECT_CMA_FROM_BYTES = 2 << 20
+DIRECT_CMA_MAX_BYTES = 16 << 20
 DIRECT_POOL_PER_SIZE = 4  # reusable DirectBuffers kept per size (operations in flight at once)
 DIRECT_POOL_SIZES = 32  # sizes kept
 DIRECT_POOL_BYTES = 32 << 20  # and at most this much memory in them (medium buffers are up to ~2 MiB)
@@ -389,7 +401,8 @@ class DirectBlocksAllReduceOp(DirectAllReduceOp):
 
 class DirectShmAllReduceOp(DirectAllReduceOp):
     """A 2-rank all_reduce of halves through the shared-memory segments
-    (shm_steps.py), behind the direct path's fingerprint messages: the direct
+    (shm_steps.py; above DIRECT_CMA_FROM_BYTES, where the pair allows it, read
+    across processes: cma_steps.py), behind the direct path's fingerprint messages: the direct
     blocks' reduce-scatter and all-gather with a copy and a flag in place of
     each message. Chosen like the rest of the direct path, from the
     configuration and the call alone (comm._run_direct): every rank opened the
@@ -419,8 +432,17 @@ class DirectShmAllReduceOp(DirectAllReduceOp):
         if self.engine.shm_holder is not None:
             return False
         self.engine.shm_holder = self
-        self._steps = ShmSteps(self._pair, self.seq, self.engine.rank, self.mine, self.out, self.op)
+        engine, me = self.engine, self.engine.rank
+        if self._pair.cma and self.mine.nbytes > DIRECT_CMA_FROM_BYTES:
+            self._steps = CmaSteps(self._pair, engine.cma_slot_holders, self.wire_seq, me, "all_reduce", self.mine,
+                                   self.out, self.op, lambda n: engine.kept_scratch("direct_shm", n), self._error)
+        else:
+            self._steps = ShmSteps(self._pair, self.seq, me, self.mine, self.out, self.op)
         return True
+
+    def _error(self, message: str, step: str) -> TransportError:
+        return TransportError(message, rank=self.engine.rank, plane=UP, peer=1 - self.engine.rank, op=self.name,
+                              stage=f"direct shm {step}")
 
     def _own_input(self, send: np.ndarray, out: np.ndarray, me: int, world: int) -> np.ndarray:
         return send  # the steps read each half before anything writes over it
@@ -459,6 +481,8 @@ class DirectShmAllReduceOp(DirectAllReduceOp):
             self.engine.shm_holder = None
 
     def _fail(self, exc: BaseException) -> None:
+        if self._steps is not None:
+            self._steps.abandon()
         self._release()
         super()._fail(exc)
 

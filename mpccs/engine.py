@@ -60,10 +60,11 @@ class Engine:
         self._parked: list = []
         self._next_control_poll = 0.0
         self._direct_pool: dict[tuple, list] = {}  # DirectBuffers by DirectBuffers.key
-        self._two_step_scratch: Optional[np.ndarray] = None  # see two_step_scratch()
+        self._kept_scratch: dict[str, np.ndarray] = {}  # see kept_scratch()
         self.shm = None  # transports.shm.ShmPair of a 2-rank job on one host (the communicator opens it)
         self._p2p_inboxes: list[np.ndarray] = []  # see p2p_inbox()
         self.shm_holder: Optional[Operation] = None  # the operation whose steps use the segments now
+        self.cma_slot_holders: dict = {}  # slot -> the cma_steps.CmaSteps that holds it
         self._direct_pool_bytes = 0
         self._last_direct: Optional[DirectBuffers] = None  # see give_direct_buffers()
         self.fp_capacity: dict[int, int] = {}  # fp_blob_capacity by world size
@@ -210,20 +211,23 @@ class Engine:
         if len(self._p2p_inboxes) < P2P_INBOXES_KEPT:
             self._p2p_inboxes.append(inbox)
 
-    def two_step_scratch(self, nbytes: int) -> np.ndarray:
-        """The two-step executor's receive buffer (one: collectives run one at a
-        time), kept at the largest size asked (at most two_step.MAX_HALF_BYTES).
-        Pooled chunks of that size were often gone to the DAG's chunks in between,
-        and a fresh buffer per call faulted its pages in under the receive (a
-        4 MiB half took 2.5x as long as into a warm buffer)."""
-        buf = self._two_step_scratch
+    def kept_scratch(self, user: str, nbytes: int) -> np.ndarray:
+        """The buffer an in-place block lands in, one per ``user`` that runs one
+        operation at a time ("two_step": the two-step executor, collectives run one
+        at a time; "direct_shm": the direct all_reduce through the segments, which
+        take turns), kept at the largest size asked (at most 8 MiB: two_step.
+        MAX_HALF_BYTES, direct_ops.DIRECT_CMA_MAX_BYTES / 2). Pooled chunks of that
+        size were often gone to the DAG's chunks in between, and a fresh buffer per
+        call faulted its pages in under the receive (a 4 MiB half took 2.5x as long
+        as into a warm buffer)."""
+        buf = self._kept_scratch.get(user)
         if buf is None or buf.nbytes < nbytes:
-            buf = self._two_step_scratch = np.empty(max(1, nbytes), dtype=np.uint8)
+            buf = self._kept_scratch[user] = np.empty(max(1, nbytes), dtype=np.uint8)
         return buf[:nbytes]
 
-    def forget_two_step_scratch(self) -> None:
+    def forget_kept_scratch(self, user: str) -> None:
         """A failed call parked it: UCX may still write there, so the next call gets its own."""
-        self._two_step_scratch = None
+        self._kept_scratch.pop(user, None)
 
     def release_scratch(self, buf: np.ndarray) -> None:
         """Keep the chunk for reuse within SCRATCH_POOL_BYTES. Chunk sizes vary

@@ -58,6 +58,10 @@ class ShmSteps:
     def done(self) -> bool:
         return self.stage == 2
 
+    def abandon(self) -> None:
+        """The operation failed: nothing to clear (the flags only grow, and the
+        outbox is written again only by this rank's next operation)."""
+
     @property
     def waiting_for(self) -> str:
         return ("the peer's half in its segment", "the peer to take this rank's half", "nothing")[self.stage]

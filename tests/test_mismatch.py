@@ -53,6 +53,17 @@ def mismatched(comm, kind):
                 comm.all_reduce(np.ones(1 << 18, np.float32), np.empty(1 << 18, np.float32))
             else:
                 comm.all_gather(np.ones(1 << 17, np.float32), np.empty(1 << 18, np.float32))
+        elif kind == "cma_size":  # both direct, halves read across processes: shapes differ, nothing is read
+            comm.all_reduce(np.ones((1 << 20) + 2 * r, np.float32))
+        elif kind == "cma_dtype":  # the same bytes: the reads happen, the fingerprint still fails both
+            comm.all_reduce(np.ones(1 << 20, np.float32 if r == 0 else np.int32))
+        elif kind == "cma_vs_two_step":  # a direct all_reduce against a reduce_scatter's two-step reads, 4 MiB each
+            if r == 0:
+                comm.all_reduce(np.ones(1 << 20, np.float32))
+            else:
+                comm.reduce_scatter(np.ones(1 << 20, np.float32), np.empty(1 << 19, np.float32))
+        elif kind == "cma_vs_dag":  # 4 MiB direct against 32 MiB on the DAG
+            comm.all_reduce(np.ones((1 << 20) if r == 0 else (8 << 20), np.float32))
         elif kind == "op_after_warm":  # pooled buffers sent 'sum' fingerprints many times before
             for _ in range(20):
                 comm.all_reduce(np.ones(2, np.float32))
@@ -86,7 +97,8 @@ def _run_timed(fn, *args):
 @pytest.mark.parametrize("kind", ["size", "dtype", "op", "root", "collective", "policy", "medium_size",
                                   "medium_vs_dag", "medium_policy", "gather_vs_dag", "a2a_size",
                                   "two_step_size", "op_after_warm", "halves_size", "halves_vs_full",
-                                  "medium_size_out", "halves_size_out", "shm_vs_two_step", "shm_vs_gather"])
+                                  "medium_size_out", "halves_size_out", "shm_vs_two_step", "shm_vs_gather",
+                                  "cma_size", "cma_dtype", "cma_vs_two_step", "cma_vs_dag"])
 def test_mismatched_calls_raise_on_every_rank(kind):
     results, elapsed = _run_timed(mismatched, kind)
     for rank, result in enumerate(results):
@@ -96,7 +108,8 @@ def test_mismatched_calls_raise_on_every_rank(kind):
         assert after == "aborted"
         if kind == "policy":  # a DONE round one rank skips used to wait out the no-progress timeout
             assert "failover protection" in message, message
-        if kind.startswith(("medium", "halves")) or kind in ("gather_vs_dag", "a2a_size", "two_step_size"):  # the fingerprint, looked at before the payload: never a truncated receive
+        if kind.startswith(("medium", "halves")) or kind in ("gather_vs_dag", "a2a_size", "two_step_size",
+                                                              "cma_size", "cma_vs_dag"):  # the fingerprint, looked at before the payload: never a truncated receive
             assert name == "MismatchError", message
             assert ("same path policy" if kind == "medium_policy" else "count") in message, message
     assert elapsed < 15, f"mismatch took {elapsed:.1f} s to surface (a timeout, not detection)"

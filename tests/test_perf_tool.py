@@ -39,16 +39,18 @@ def test_table_json_and_no_wrong_elements(tmp_path, collective):
         assert row["collective"] == collective and row["wrong"] == 0 and len(row["times_us"]) == 3
 
 
-@pytest.mark.parametrize("max_size, settles", [("2M", True), ("64K", False)])
-def test_settle_runs_the_controllers_start_up_before_the_sweep(tmp_path, max_size, settles):
+@pytest.mark.parametrize("max_size, cma, settles", [("2M", "0", True), ("64K", "0", False), ("2M", "1", False)])
+def test_settle_runs_the_controllers_start_up_before_the_sweep(tmp_path, max_size, cma, settles):
     """--settle N: N 'adaptive' operations at the first swept size the controller may
-    split (2 MiB here), timed against N under 'up' and reported apart; where no swept
-    size is one it splits, nothing runs and the report says so."""
+    split (2 MiB here, with the pair's cross-memory reads off), timed against N under
+    'up' and reported apart; where no swept size is one it splits (64 KiB; or 2 MiB
+    on a pair that reads across processes: the direct path takes it), nothing runs
+    and the report says so."""
     out = tmp_path / "s.json"
     p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "2", "--no-prefix", os.path.join(BIN, "mpccs-perf"),
                         "all_reduce", "-b", "64K", "-e", max_size, "-f", "32", "-n", "2", "-w", "0",
                         "--policies", "up,adaptive", "--settle", "20", "-J", str(out)],
-                       env=clean_env(), capture_output=True, text=True, timeout=180)
+                       env={**clean_env(), "MPCCS_CMA": cma}, capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stdout + p.stderr
     line = next(x for x in p.stdout.splitlines() if x.startswith("# settle:"))
     settle = json.loads(out.read_text())["meta"]["settle"]

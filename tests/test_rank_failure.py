@@ -21,15 +21,17 @@ def clean_env():
     return env
 
 
-# 1 MiB: the direct path, 20 trials; 4 MiB: the two-step executor (its rank waits for the
-# peer's fingerprint message before anything else), 3 trials.
-CASES = [(1 << 18, trial) for trial in range(TRIALS)] + [(1 << 20, trial) for trial in range(3)]
+# 1 MiB: the direct path through the outboxes, 20 trials; 4 MiB: the direct path reading
+# across processes (the peer dies before it calls), 3 trials; 4 MiB with the peer dying
+# inside those steps (rank 0 reads from it or waits on a flag in memory), 2 trials.
+CASES = ([(1 << 18, "", trial) for trial in range(TRIALS)] + [(1 << 20, "", trial) for trial in range(3)]
+         + [(1 << 20, "mid-steps", trial) for trial in range(2)])
 
 
-@pytest.mark.parametrize("count,trial", CASES)
-def test_survivor_raises_naming_the_lost_rank(count, trial):
+@pytest.mark.parametrize("count,mode,trial", CASES)
+def test_survivor_raises_naming_the_lost_rank(count, mode, trial):
     start = time.monotonic()
-    p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "2", "--grace", "20", PROG, str(count)],
+    p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "2", "--grace", "20", PROG, str(count), *mode.split()],
                        env=clean_env(), capture_output=True, text=True, timeout=60)
     elapsed = time.monotonic() - start
     lines = [line for line in p.stdout.splitlines() if "RESULT" in line]

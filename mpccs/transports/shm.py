@@ -20,10 +20,17 @@ segments are opened on x86-64 only; the one exception to that order, the
 non-temporal stores a large memcpy may use, cannot pass a locked
 instruction, which post() executes (an uncontended lock) before the flag.
 
+The header also holds this rank's process id and, for the two-step
+executor's and the direct all_reduce's cross-memory reads (cma_steps.py), a table of SLOTS slots of
+SLOT_WORDS words: the addresses of one operation's buffers and the sequence
+numbers of the steps it reached (slot seq % SLOTS; a stale slot holds
+another sequence number, so a waiter tests ``==``).
+
 Set-up (open_pair): each rank creates its segment in /dev/shm under a name
 of its own, the names go through the bootstrap store, each maps its peer's,
-and once both have (a second exchange) each unlinks its own: a crash leaves
-no file behind, the mappings live as long as the processes.
+tries one cross-memory read of a cookie in its peer's header, and once both
+have (a second exchange, which carries the outcomes) each unlinks its own: a
+crash leaves no file behind, the mappings live as long as the processes.
 """
 from __future__ import annotations
 
@@ -36,9 +43,17 @@ from typing import Optional
 
 import numpy as np
 
+from . import cma
+
 OUTBOX_BYTES = 2 << 20  # the largest block exchanged this way (shm_steps.SHM_MAX_BLOCK_BYTES)
 HEADER_BYTES = 4096
 FLAG_POSTED, FLAG_TAKEN = 0, 1  # my block is in my outbox / I am done with my peer's outbox
+# Header words: the owner's pid, a random cookie and the cookie's address in the owner's process
+# (what the peer's cross-memory read at set-up tries: _reads_by_cma).
+WORD_PID, WORD_COOKIE, WORD_COOKIE_AT = 8, 9, 10
+SLOTS_AT, SLOTS, SLOT_WORDS = 16, 32, 8  # the slot table: header words [16, 16 + 32 * 8)
+# A slot's words: the input's and the output's address, the call's shape, then the steps reached (cma_steps.py).
+SLOT_SRC, SLOT_OUT, SLOT_SHAPE, SLOT_POSTED, SLOT_REDUCED, SLOT_DONE = range(6)
 SHM_DIR = "/dev/shm"
 
 
@@ -48,12 +63,17 @@ def supported() -> bool:
 
 
 class ShmPair:
-    """This rank's segment and its peer's, both mapped."""
+    """This rank's segment and its peer's, both mapped. ``cma``: both ranks may
+    read each other's memory (transports/cma.py), tried at set-up."""
 
-    def __init__(self, own: mmap.mmap, peer: mmap.mmap):
+    def __init__(self, own: mmap.mmap, peer: mmap.mmap, cma: bool = False):
         self._maps = (own, peer)
-        self.own_flags = np.ndarray(8, np.int64, own, 0)
-        self.peer_flags = np.ndarray(8, np.int64, peer, 0)
+        self.cma = cma
+        own_header, peer_header = _header(own), _header(peer)
+        self.own_flags, self.peer_flags = own_header[:8], peer_header[:8]
+        self.peer_pid = int(peer_header[WORD_PID])
+        self.own_slots = own_header[SLOTS_AT:SLOTS_AT + SLOTS * SLOT_WORDS].reshape(SLOTS, SLOT_WORDS)
+        self.peer_slots = peer_header[SLOTS_AT:SLOTS_AT + SLOTS * SLOT_WORDS].reshape(SLOTS, SLOT_WORDS)
         self.own_box = np.ndarray(OUTBOX_BYTES, np.uint8, own, HEADER_BYTES)
         self.peer_box = np.ndarray(OUTBOX_BYTES, np.uint8, peer, HEADER_BYTES)
         self._fence = threading.Lock()
@@ -69,16 +89,26 @@ class ShmPair:
             pass
         self.own_flags[flag] = seq
 
+    def post_slot(self, slot: int, word: int, seq: int) -> None:
+        """Publish ``seq`` in a word of one of this rank's slots, after every store before it."""
+        with self._fence:
+            pass
+        self.own_slots[slot, word] = seq
+
     def peer_reached(self, flag: int, seq: int) -> bool:
         return int(self.peer_flags[flag]) >= seq
 
     def close(self) -> None:
-        self.own_flags = self.peer_flags = self.own_box = self.peer_box = None
+        self.own_flags = self.peer_flags = self.own_box = self.peer_box = self.own_slots = self.peer_slots = None
         for m in self._maps:
             try:
                 m.close()
             except BufferError:  # a view someone still holds: the mapping goes with the process
                 pass
+
+
+def _header(segment: mmap.mmap) -> np.ndarray:
+    return np.ndarray(HEADER_BYTES // 8, np.int64, segment, 0)
 
 
 def _create_own() -> tuple[str, mmap.mmap]:
@@ -87,7 +117,13 @@ def _create_own() -> tuple[str, mmap.mmap]:
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, HEADER_BYTES + OUTBOX_BYTES)
-        return name, mmap.mmap(fd, HEADER_BYTES + OUTBOX_BYTES)
+        segment = mmap.mmap(fd, HEADER_BYTES + OUTBOX_BYTES)
+        header = _header(segment)
+        header[WORD_PID] = os.getpid()
+        header[WORD_COOKIE] = secrets.randbits(62) + 1
+        header[WORD_COOKIE_AT] = header.ctypes.data + WORD_COOKIE * 8
+        del header  # (a view left would keep close() from unmapping it)
+        return name, segment
     except BaseException:
         os.unlink(path)
         raise
@@ -105,10 +141,27 @@ def _map_peer(name: str) -> mmap.mmap:
         os.close(fd)
 
 
-def open_pair(store, rank: int, timeout_s: float, willing: bool) -> Optional[ShmPair]:
+def _reads_by_cma(peer: mmap.mmap) -> bool:
+    """Whether a cross-memory read of the peer's cookie, at its address in the
+    peer's process, gives what the peer wrote there (transports/cma.py: the
+    kernel's ptrace rule, a pid namespace between the two, a libc without
+    process_vm_readv all make it fail)."""
+    if not cma.available():
+        return False
+    pid, cookie, address = (int(w) for w in _header(peer)[[WORD_PID, WORD_COOKIE, WORD_COOKIE_AT]])
+    got = np.zeros(1, np.int64)
+    try:
+        cma.read_into(got, pid, address)
+    except OSError:
+        return False
+    return int(got[0]) == cookie
+
+
+def open_pair(store, rank: int, timeout_s: float, willing: bool, cma_willing: bool = True) -> Optional[ShmPair]:
     """Map this rank's segment and its peer's (ranks 0 and 1), or None on both
     ranks when either cannot or is not ``willing`` (its options, its planes):
-    every rank learns the other's outcome first, so both must call this."""
+    every rank learns the other's outcome first, so both must call this. The
+    pair reads by CMA where both ranks are ``cma_willing`` and their tries worked."""
     own, name, error = None, "", "not willing"
     if willing:
         try:
@@ -124,15 +177,16 @@ def open_pair(store, rank: int, timeout_s: float, willing: bool) -> Optional[Shm
             peer = _map_peer(peer_name)
         except (OSError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}"
-    store.set(f"shm/ok/{rank}", b"1" if peer is not None else error.encode() or b"0")
+    outcome = (b"1c" if cma_willing and _reads_by_cma(peer) else b"1") if peer is not None else error.encode() or b"0"
+    store.set(f"shm/ok/{rank}", outcome)
     both = store.gather("shm/ok", 2, timeout_s)
     if name:
         try:
             os.unlink(os.path.join(SHM_DIR, name))  # both mapped it, or neither will
         except FileNotFoundError:
             pass
-    if all(v == b"1" for v in both):
-        return ShmPair(own, peer)
+    if all(v.startswith(b"1") for v in both):
+        return ShmPair(own, peer, cma=all(v == b"1c" for v in both))
     for m in (own, peer):
         if m is not None:
             m.close()

@@ -1,7 +1,10 @@
 """Rank 1 dies (SIGKILL) while rank 0 is inside an all_reduce waiting for it.
 
 Rank 0 prints how long it took to raise and what it raised, then checks that
-the communicator refuses further use.
+the communicator refuses further use. With "mid-steps" after the count, rank 1
+dies inside the steps that read across processes instead (cma_steps.py: a 4 MiB
+all_reduce's direct path), after it posted its buffers: rank 0 may be reading
+them or waiting on a flag.
 """
 import os
 import signal
@@ -14,9 +17,18 @@ import mpccs
 
 comm = mpccs.init()
 x = np.ones(int(sys.argv[1]) if len(sys.argv) > 1 else 1 << 20, np.float32)
+mid_steps = sys.argv[2:] == ["mid-steps"]
 comm.all_reduce(x)  # warm: endpoints and schedules exist
 comm.barrier()
-if comm.rank == 1:
+if comm.rank == 1 and mid_steps:
+    from mpccs import cma_steps
+
+    def die(steps, peer_src, peer_out):
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    cma_steps.CmaSteps._first_step = die
+elif comm.rank == 1:
     time.sleep(0.3)  # rank 0 is inside its all_reduce by now
     os.kill(os.getpid(), signal.SIGKILL)
 start = time.monotonic()
