@@ -1,19 +1,20 @@
-"""A 2-rank all_reduce on a pair that reads across processes against the same
+"""2-rank collectives on a pair that reads across processes against the same
 pair without the reads (2 ranks, one host).
 
-    mpccs-run -n 2 --no-prefix python bench/cma_ab.py --out bench/results/cma
+    mpccs-run -n 2 --no-prefix python bench/cma_ab.py --out bench/results/cma [--collective all_reduce]
 
-Float32 all_reduce, out of place, policy 'adaptive' as shipped, default
-planes, from 2 MiB to the direct path's bound on such a pair
-(direct_ops.DIRECT_CMA_MAX_BYTES). Each iteration times a block of
-back-to-back operations three ways, interleaved: without the reads (the
-pair's ``cma`` off on both ranks between the same operations: the two-step
-executor over UCX messages, what ran before), with them (the direct path
-reading its halves: cma_steps.py), and without them again (the A/A noise
+Float32, out of place, policy 'adaptive' as shipped, default planes, at the
+sizes where the reads apply: all_reduce from 2 MiB to the direct path's bound
+on such a pair (direct_ops.DIRECT_CMA_MAX_BYTES), reduce_scatter and
+all_gather blocks of 1-8 MiB (DIRECT_CMA_BLOCK_BYTES). Each iteration times a
+block of back-to-back operations three ways, interleaved: without the reads
+(the pair's ``cma`` off on both ranks between the same operations: the
+two-step executor over UCX messages, what ran before), with them (the direct
+path reading its blocks: cma_steps.py), and without them again (the A/A noise
 floor). The communicator's cached path answers are dropped at each switch;
 one call each way precedes every timed block. Per-op time = block time /
-block length, max across ranks. Writes all_reduce.json and appends a
-section to report.md under --out.
+block length, max across ranks. Writes COLLECTIVE.json and appends a section
+to report.md under --out.
 """
 from __future__ import annotations
 
@@ -28,34 +29,49 @@ sys.path.insert(0, os.path.dirname(__file__))
 from stats import (ab_cells, ab_meta, ab_parser, ab_report_head, slowest_rank, time_block,  # noqa: E402
                    write_ab_results)
 
-SIZES = tuple(k << 20 for k in (2, 3, 4, 6, 8, 12, 16))
+MIB = 1 << 20
+# nccl-tests' sizes: the whole buffer (all_reduce: the input; reduce_scatter: the input; all_gather: the output)
+SIZES = {"all_reduce": tuple(k * MIB for k in (2, 3, 4, 6, 8, 12, 16)),
+         "reduce_scatter": tuple(k * MIB for k in (2, 4, 8, 16)),
+         "all_gather": tuple(k * MIB for k in (2, 4, 8, 16))}
 MODES = ("messages", "cma", "messages_again")
 
 
-def time_mode(comm, pair, x: np.ndarray, out: np.ndarray, mode: str, block: int) -> float:
+def make_call(comm, collective: str, nbytes: int):
+    n = nbytes // 4
+    if collective == "all_reduce":
+        x, out = np.ones(n, np.float32), np.empty(n, np.float32)
+        return lambda: comm.all_reduce(x, out)
+    if collective == "reduce_scatter":
+        x, out = np.ones(n, np.float32), np.empty(n // 2, np.float32)
+        return lambda: comm.reduce_scatter(x, out)
+    x, out = np.ones(n // 2, np.float32), np.empty(n, np.float32)
+    return lambda: comm.all_gather(x, out)
+
+
+def time_mode(comm, pair, call, mode: str, block: int) -> float:
     pair.cma = mode == "cma"  # both ranks switch between the same operations
     comm._direct_answers.clear()  # (kept per call: asked again under the pair's new state)
-    comm.all_reduce(x, out)  # one call the mode's way first
-    return time_block(comm, lambda: comm.all_reduce(x, out), block)
+    call()  # one call the mode's way first
+    return time_block(comm, call, block)
 
 
-def measure(comm, pair, nbytes: int, iters: int, block: int, warmup: int) -> dict:
-    x, out = np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32)
+def measure(comm, pair, collective: str, nbytes: int, iters: int, block: int, warmup: int) -> dict:
+    call = make_call(comm, collective, nbytes)
     times = {mode: [] for mode in MODES}
-    moved = {}
+    ran = {}
     for i in range(warmup + iters):
         for mode in MODES:
-            t = time_mode(comm, pair, x, out, mode, block)
-            stats = comm.last_stats()
-            moved[mode] = f"{stats['algorithm']}:{stats.get('moved_by', '-')}"
+            t = time_mode(comm, pair, call, mode, block)
+            ran[mode] = comm.last_stats()["algorithm"]
             if i >= warmup:
                 times[mode].append(t)
     pair.cma = True
-    return {"size": nbytes, "algorithm": moved, "times_s": slowest_rank(comm, times)}
+    return {"size": nbytes, "algorithm": ran, "times_s": slowest_rank(comm, times)}
 
 
-def report_lines(rows: list[dict], meta: dict) -> list[str]:
-    lines = ab_report_head("2 ranks, float32 all_reduce, policy 'adaptive', default planes", meta,
+def report_lines(collective: str, rows: list[dict], meta: dict) -> list[str]:
+    lines = ab_report_head(f"2 ranks, float32 {collective}, policy 'adaptive', default planes", meta,
                            "| size | messages (us) | cma (us) | cma speedup [95% CI] | A/A floor | last call each way |",
                            "|---:|---:|---:|---:|---:|---|")
     for row in rows:
@@ -66,19 +82,22 @@ def report_lines(rows: list[dict], meta: dict) -> list[str]:
 
 
 def main() -> None:
-    args = ab_parser(__doc__, block=5).parse_args()
+    parser = ab_parser(__doc__, block=5)
+    parser.add_argument("--collective", choices=sorted(SIZES), default="all_reduce")
+    args = parser.parse_args()
     comm = mpccs.init()
     pair = comm._engine.shm
     if comm.size != 2 or pair is None or not pair.cma:
         raise SystemExit("needs 2 ranks on one host with the segments open and cross-memory reads allowed")
     rows = []
-    for k, nbytes in enumerate(SIZES):
-        rows.append(measure(comm, pair, nbytes, args.iters, args.block, args.warmup))
+    sizes = SIZES[args.collective]
+    for k, nbytes in enumerate(sizes):
+        rows.append(measure(comm, pair, args.collective, nbytes, args.iters, args.block, args.warmup))
         if comm.rank == 0:
-            print(f"# progress: {k + 1}/{len(SIZES)} sizes", flush=True)
+            print(f"# progress: {k + 1}/{len(sizes)} sizes", flush=True)
     if comm.rank == 0:
         meta = ab_meta(comm, args, mpccs.__version__)
-        write_ab_results(args.out, "all_reduce.json", meta, rows, report_lines(rows, meta))
+        write_ab_results(args.out, f"{args.collective}.json", meta, rows, report_lines(args.collective, rows, meta))
     comm.close()
 
 

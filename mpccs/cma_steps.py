@@ -6,9 +6,9 @@ Why: UCX moves a block on the scale-up plane by rendezvous (a request, the
 receiver's cross-process read, an acknowledgement), and posting and reaping
 those requests costs Python and UCX time per call. Here a block is one
 process_vm_readv (the same single copy UCX's cma transport makes) and a flag.
-The two-step executor reads its blocks this way (two_step_cma.py), and so does
-the direct all_reduce through the segments above the outbox's size
-(direct_ops.DirectShmAllReduceOp), where the outbox's extra local copies lost.
+The direct path's 2-rank all_reduce above the outboxes' size (where their
+extra local copies lost: direct_ops.DirectShmAllReduceOp) and its
+reduce_scatter and all_gather of 1-8 MiB blocks (DirectShmBlocksOp) run so.
 
 The blocks are those of two_step._geometry: this rank's operand of the block
 it owns ``mine_in``, that block's result ``mine_out``, its operand of the

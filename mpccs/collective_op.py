@@ -31,7 +31,6 @@ from .prologue import DeferredCopies
 from .reduce import reduce_into, reduce_to
 from .telemetry import wall
 from .two_step import TwoStepExecutor
-from .two_step_cma import CmaTwoStepExecutor
 from .windows import OUT, UP, chunk_range, flow_chunk_elems, flow_min_chunks, missing_ranges
 
 # QUIESCED payloads: how the sender retries (CollectiveOp._check_retry_modes)
@@ -445,22 +444,12 @@ class CollectiveOp(Operation):
         communicator builds it only if asked (Communicator._record)."""
         return self.two_step is not None and not self.events
 
-    @property
-    def polls_memory(self) -> bool:
-        """While the cross-memory two-step executor waits on its peer's flags."""
-        return self.two_step is not None and self.two_step.polls_memory
-
     def _choose_executor(self) -> None:
         """Two-step when the peer offered it too (every peer: two_step.py is for 2 ranks)
         and no completion round is due; else the stages, as every rank decides alike."""
         self.offers_two_step = False
         if self._peers_two_step.issuperset(self.others) and not self.protected:
-            # (it writes every output element itself)
-            pair = self.engine.shm
-            if pair is not None and pair.cma and isinstance(self.buffers["in"], np.ndarray):
-                self.two_step = CmaTwoStepExecutor(self, MIN_SAMPLE_BYTES, pair)
-            else:
-                self.two_step = TwoStepExecutor(self, MIN_SAMPLE_BYTES)
+            self.two_step = TwoStepExecutor(self, MIN_SAMPLE_BYTES)  # it writes every output element itself
         else:
             self._begin_attempt()
 
@@ -834,7 +823,6 @@ class CollectiveOp(Operation):
         out = super().stats()
         out.update(
             algorithm="two_step" if self.two_step is not None else self.schedule.algorithm,
-            **({"moved_by": self.two_step.moved_by} if self.two_step is not None else {}),
             channels=self.schedule.channels,
             chunk_bytes=self.plan_chunk_elems * self.itemsize, whole_flows=self.flow_min_chunks == 1,
             policy=self.splitter.name, stages=self.stage_log,

@@ -19,9 +19,10 @@ from .bootstrap import Bootstrap, hostname, rendezvous
 from .config import (DEFAULT_UP_TLS_CPU, GPU_DIRECT_OUT_TLS, GPU_DIRECT_UP_TLS, Options, load_options, parse_policy,
                      with_device_tls)
 from .collective_op import CollectiveOp
-from .direct_ops import (DIRECT_BLOCKS_MIN_BYTES, DIRECT_CMA_MAX_BYTES, DIRECT_MAX_BYTES, DIRECT_MEDIUM_BUDGET,
-                         DIRECT_SHM_MIN_BYTES, DirectAllGatherOp, DirectAllReduceOp, DirectAllToAllOp, DirectBlocksAllReduceOp,
-                         DirectBroadcastOp, DirectReduceOp, DirectReduceScatterOp, DirectShmAllReduceOp)
+from .direct_ops import (DIRECT_BLOCKS_MIN_BYTES, DIRECT_CMA_BLOCK_BYTES, DIRECT_CMA_MAX_BYTES, DIRECT_MAX_BYTES,
+                         DIRECT_MEDIUM_BUDGET, DIRECT_SHM_MIN_BYTES, DirectAllGatherOp, DirectAllReduceOp,
+                         DirectAllToAllOp, DirectBlocksAllReduceOp, DirectBroadcastOp, DirectReduceOp,
+                         DirectReduceScatterOp, DirectShmAllReduceOp, DirectShmBlocksOp)
 from .engine import Engine
 from .flows import Splitter
 from .operation import Operation
@@ -686,7 +687,7 @@ class Communicator:
         if algorithm is not None or not 1 < self.size <= DIRECT_MAX_RANKS \
                 or self._tune.match(collective, call_bytes) is not None:
             return False
-        return (count * itemsize <= DIRECT_MAX_BYTES or self._direct_by_cma(collective, call_bytes)
+        return (count * itemsize <= DIRECT_MAX_BYTES or self._direct_by_cma(collective, count * itemsize, call_bytes)
                 or self._direct_medium(collective, count, itemsize, call_bytes, root))
 
     def _direct_medium(self, collective: str, count: int, itemsize: int, call_bytes: int, root=None) -> bool:
@@ -704,11 +705,12 @@ class Communicator:
         return (plan.single_plane
                 or plan.schedule.max_stage_send() * itemsize < self._engine.controller.config.min_multipath_bytes)
 
-    def _direct_by_cma(self, collective: str, call_bytes: int) -> bool:
-        """A 2-rank all_reduce from DIRECT_SHM_MIN_BYTES to DIRECT_CMA_MAX_BYTES on a
-        pair that reads across processes (transports/shm.py: both ranks agreed at
-        set-up), under policy 'up' or 'adaptive': the direct path, its halves read
-        from the peer (cma_steps.py), on 'up' alone.
+    def _direct_by_cma(self, collective: str, block_bytes: int, call_bytes: int) -> bool:
+        """On a pair that reads across processes (transports/shm.py: both ranks agreed
+        at set-up), under policy 'up' or 'adaptive': a 2-rank all_reduce from
+        DIRECT_SHM_MIN_BYTES to DIRECT_CMA_MAX_BYTES, or reduce_scatter / all_gather
+        with blocks in DIRECT_CMA_BLOCK_BYTES, takes the direct path on 'up' alone,
+        reading from the peer (cma_steps.py).
 
         Under 'adaptive' this takes the call from the controller: both ranks are on
         one host and 'up' is shared memory the ranks copy themselves, so the copy is
@@ -719,8 +721,12 @@ class Communicator:
         A testbed whose 'up' is a network has no segments, so its calls stay the
         controller's. The same answer on every rank (configuration and call only)."""
         pair = self._engine.shm
-        return (collective == "all_reduce" and pair is not None and pair.cma
-                and DIRECT_SHM_MIN_BYTES <= call_bytes <= DIRECT_CMA_MAX_BYTES and self._policy in (UP, "adaptive"))
+        if pair is None or not pair.cma or self._policy not in (UP, "adaptive"):
+            return False
+        if collective == "all_reduce":
+            return DIRECT_SHM_MIN_BYTES <= call_bytes <= DIRECT_CMA_MAX_BYTES
+        low, high = DIRECT_CMA_BLOCK_BYTES
+        return collective in ("reduce_scatter", "all_gather") and low <= block_bytes <= high
 
     def _run_direct(self, name, send, out, op, result, async_op, finalize=None, root=None):
         # Always the control plane (scale-up where it reaches): both ends must
@@ -729,6 +735,8 @@ class Communicator:
         kind = DIRECT_OPS.get(name, DirectAllReduceOp)  # all_reduce and barrier: DirectAllReduceOp
         if name == "all_reduce" and self._through_segments(send):
             kind = DirectShmAllReduceOp
+        elif name in ("reduce_scatter", "all_gather") and self._direct_by_cma(name, min(send.nbytes, out.nbytes), 0):
+            kind = DirectShmBlocksOp
         elif name == "all_reduce" and send.nbytes >= DIRECT_BLOCKS_MIN_BYTES:
             kind = DirectBlocksAllReduceOp
         fp = None  # (every caller checked that the communicator is usable)

@@ -49,6 +49,11 @@ DIRECT_SHM_MIN_BYTES = 384 << 10
 # 2052-2109.
 DIRECT_CMA_FROM_BYTES = 2 << 20
 DIRECT_CMA_MAX_BYTES = 16 << 20
+# A 2-rank reduce_scatter or all_gather with blocks in this range takes the
+# direct path on such a pair too, each rank reading the block it needs straight
+# into its output (DirectShmBlocksOp): from where the direct path's messages
+# stop (blocks under 1 MiB, comm._direct_medium) to the two-step executor's bound.
+DIRECT_CMA_BLOCK_BYTES = (1 << 20, 8 << 20)
 DIRECT_POOL_PER_SIZE = 4  # reusable DirectBuffers kept per size (operations in flight at once)
 DIRECT_POOL_SIZES = 32  # sizes kept
 DIRECT_POOL_BYTES = 32 << 20  # and at most this much memory in them (medium buffers are up to ~2 MiB)
@@ -432,13 +437,16 @@ class DirectShmAllReduceOp(DirectAllReduceOp):
         if self.engine.shm_holder is not None:
             return False
         self.engine.shm_holder = self
-        engine, me = self.engine, self.engine.rank
         if self._pair.cma and self.mine.nbytes > DIRECT_CMA_FROM_BYTES:
-            self._steps = CmaSteps(self._pair, engine.cma_slot_holders, self.wire_seq, me, "all_reduce", self.mine,
-                                   self.out, self.op, lambda n: engine.kept_scratch("direct_shm", n), self._error)
+            self._steps = self._read_steps()
         else:
-            self._steps = ShmSteps(self._pair, self.seq, me, self.mine, self.out, self.op)
+            self._steps = ShmSteps(self._pair, self.seq, self.engine.rank, self.mine, self.out, self.op)
         return True
+
+    def _read_steps(self) -> CmaSteps:
+        engine = self.engine
+        return CmaSteps(self._pair, engine.cma_slot_holders, self.wire_seq, engine.rank, self.name, self.mine,
+                        self.out, self.op, lambda n: engine.kept_scratch("direct_shm", n), self._error)
 
     def _error(self, message: str, step: str) -> TransportError:
         return TransportError(message, rank=self.engine.rank, plane=UP, peer=1 - self.engine.rank, op=self.name,
@@ -491,6 +499,28 @@ class DirectShmAllReduceOp(DirectAllReduceOp):
             return super().describe_stall()
         waiting = "an earlier operation to let go of the segments" if self._steps is None else self._steps.waiting_for
         return {"stage": "direct shm", "peer": list(self.others), "plane": UP, "waiting_for": waiting}
+
+
+class DirectShmBlocksOp(DirectShmAllReduceOp):
+    """A 2-rank reduce_scatter or all_gather of blocks in DIRECT_CMA_BLOCK_BYTES
+    on a pair that reads across processes: each rank reads the block it needs
+    from its peer's input straight into its output (cma_steps.py; reduce_scatter
+    reduces it there with its own operand in rank order), behind the direct
+    path's fingerprint messages, taking the segments in turn like the all_reduce."""
+
+    def __init__(self, engine, seq, send: np.ndarray, out: np.ndarray, op: str, world: int,
+                 fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,
+                 name: str = "reduce_scatter"):
+        super().__init__(engine, seq, send, out, op, world, fingerprint, finalize, name)
+        if name == "reduce_scatter":  # the peer reads the block it owns, half the input
+            self.bytes_per_plane[UP] -= send.nbytes - out.nbytes
+
+    def _start_steps(self) -> bool:
+        if self.engine.shm_holder is not None:
+            return False
+        self.engine.shm_holder = self
+        self._steps = self._read_steps()
+        return True
 
 
 class DirectReduceScatterOp(DirectAllReduceOp):

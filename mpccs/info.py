@@ -27,7 +27,7 @@ def collect(comm) -> dict:
         "qos": {"out_cap_share": comm.options.out_cap_share, "out_cap_rate_Bps": comm.options.out_cap_rate_Bps},
         # 2 ranks on one host: the shared-memory segments a medium all_reduce takes (transports/shm.py)
         "shm_segments": comm._engine.shm is not None,
-        # and with them, whether the two-step executor reads the peer's blocks by CMA (two_step_cma.py)
+        # and with them, whether 2-rank collectives read the peer's blocks across processes (cma_steps.py)
         "cma_reads": comm._engine.shm is not None and comm._engine.shm.cma,
         # device (cupy) arrays: read by the planes themselves, or staged through pinned host mirrors
         "gpu_direct": comm.gpu_direct,
@@ -53,8 +53,9 @@ def render(info: dict) -> str:
         + ("none" if info["qos"]["out_cap_rate_Bps"] is None else f"{info['qos']['out_cap_rate_Bps'] * 8 / 1e6:g} Mbit/s (paced)"),
         "# shared-memory segments: " + ("open (2-rank medium all_reduce)" if info["shm_segments"] else
                                         "closed (not 2 ranks on one host with a shared-memory 'up', or MPCCS_SHM=0)"),
-        "# two-step blocks: " + ("cross-memory reads (CMA)" if info["cma_reads"] else
-                                 "UCX messages (no segments, MPCCS_CMA=0, or the kernel refused a cross-memory read)"),
+        "# cross-memory reads: " + ("on (2-rank all_reduce to 16 MiB, reduce_scatter / all_gather blocks of 1-8 MiB)"
+                                    if info["cma_reads"] else
+                                    "off (no segments, MPCCS_CMA=0, or the kernel refused a cross-memory read)"),
         "# device arrays: " + ("GPU-direct (the planes read device memory: cuda_ipc / cuda_copy)" if info["gpu_direct"]
                                else "pinned host mirrors (no GPU seen by cupy on every rank, or MPCCS_GPU_DIRECT=0)"),
     ]

@@ -61,15 +61,24 @@ class TwoStepExecutor:
     (blocks of its input) the reduce-scatter step alone, all_gather (blocks of
     its output) the all-gather step alone: the same messages, one step."""
 
-    polls_memory = False  # UCX messages: plane events wake the rank
-    moved_by = "ucx"  # what carries the blocks (stats()["moved_by"])
-
     def __init__(self, op, min_sample_bytes: int):
-        self._setup(op, min_sample_bytes)
-        engine, plane, seq = op.engine, self.plane, op.wire_seq
+        self.op = op
+        engine = op.engine
+        self.peer = peer = op.others[0]
+        self.plane = plane = engine.control_plane(peer)
+        self.steps, geometry = _geometry(op.name, op.buffers["in"], op.buffers["out"], op.rank)
+        # mine_in: this rank's operand of the block it owns; mine_out: where that block's
+        # result goes (and what the all-gather step sends); theirs_in: what the
+        # reduce-scatter step sends; theirs_out: where the peer's block lands.
+        self.mine_in, self.mine_out, self.theirs_in, self.theirs_out = geometry
+        seq = op.wire_seq
         self.tag_rs = wire.make_tag(wire.KIND_COLL, engine.comm_id, seq, wire.TWO_STEP_RS_FLOW)
         self.tag_ag = wire.make_tag(wire.KIND_COLL, engine.comm_id, seq, wire.TWO_STEP_AG_FLOW)
-        self.recv_rs = self.send_rs = self.recv_ag = self.send_ag = None
+        self.min_sample_bytes = min_sample_bytes
+        self.step = 0  # index into self.steps; len(self.steps): done
+        self.reduced = False  # the reduce-scatter step's reduction is made (once)
+        self.t_step = time.perf_counter()
+        self.incoming = self.recv_rs = self.send_rs = self.recv_ag = self.send_ag = None
         reduces = self.steps[0] == STEPS[0]
         # Receives first, so the peer's messages find them posted.
         if reduces:
@@ -83,22 +92,6 @@ class TwoStepExecutor:
             if self.mine_out.ctypes.data != self.mine_in.ctypes.data:  # not in place
                 self.mine_out[...] = self.mine_in
             self.send_ag = self._send(self.mine_in, self.tag_ag)
-
-    def _setup(self, op, min_sample_bytes: int) -> None:
-        """What both ways of moving the blocks share: the geometry, the step clock."""
-        self.op = op
-        self.peer = op.others[0]
-        self.plane = op.engine.control_plane(self.peer)
-        self.steps, geometry = _geometry(op.name, op.buffers["in"], op.buffers["out"], op.rank)
-        # mine_in: this rank's operand of the block it owns; mine_out: where that block's
-        # result goes (and what the all-gather step sends); theirs_in: what the
-        # reduce-scatter step sends; theirs_out: where the peer's block lands.
-        self.mine_in, self.mine_out, self.theirs_in, self.theirs_out = geometry
-        self.min_sample_bytes = min_sample_bytes
-        self.step = 0  # index into self.steps; len(self.steps): done
-        self.reduced = False  # the reduce-scatter step's reduction is made (once)
-        self.t_step = time.perf_counter()
-        self.incoming = None
 
     @property
     def done(self) -> bool:

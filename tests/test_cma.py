@@ -1,7 +1,7 @@
 """Cross-memory reads between the two ranks of a pair: the transport
-(transports/cma.py), the steps (cma_steps.py) through the two-step executor
-(two_step_cma.py), and the direct all_reduce that reads its halves
-(direct_ops.DirectShmAllReduceOp above DIRECT_CMA_FROM_BYTES).
+(transports/cma.py), the steps (cma_steps.py), and the direct path's 2-rank
+all_reduce (DirectShmAllReduceOp above DIRECT_CMA_FROM_BYTES), reduce_scatter
+and all_gather (DirectShmBlocksOp) that read their blocks so.
 
 The steps run first with both ranks in this one process: two segments mapped
 into each other (as test_shm does) and the "peer" pid this process's own, so
@@ -10,7 +10,6 @@ every read is a real process_vm_readv. Then on live ranks (one pool).
 import errno
 import mmap
 import os
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,9 +21,8 @@ from mpccs.direct_ops import DIRECT_CMA_FROM_BYTES, DIRECT_CMA_MAX_BYTES
 from mpccs.errors import TransportError
 from mpccs.transports import cma, shm
 from mpccs.transports.shm import HEADER_BYTES, OUTBOX_BYTES, SLOT_POSTED, SLOT_SHAPE, SLOTS, ShmPair
-from mpccs.two_step_cma import CmaTwoStepExecutor
 from rankpool import RankPool
-from test_two_step import inputs, reference
+from test_two_step import BLOCK_CALLS, block_calls, inputs, reference
 
 pytestmark = pytest.mark.skipif(not (shm.supported() and cma.available()),
                                 reason="cross-memory reads need x86-64 Linux with process_vm_readv")
@@ -39,34 +37,29 @@ def _pairs():
     return pairs
 
 
-class _Engine:
-    controller = None
-
-    def __init__(self):
-        self.cma_slot_holders = {}
-
-    def control_plane(self, peer):
-        return SimpleNamespace(name="up")
-
-    def kept_scratch(self, user, nbytes):
-        return np.empty(nbytes, np.uint8)
+def _error(message, step):
+    return TransportError(message, rank=0, plane="up", peer=1, op="test", stage=step)
 
 
-def _op(name, rank, src, out, seq, op="sum"):
-    return SimpleNamespace(engine=_Engine(), buffers={"in": src, "out": out}, name=name, rank=rank, others=(1 - rank,),
-                           wire_seq=seq, op=op, bytes_per_plane={"up": 0, "out": 0}, stage_log=[],
-                           splitter=SimpleNamespace(policy="up"))
+def _steps(pair, rank, collective, src, out, seq, op="sum", holders=None, log=None):
+    """One rank's steps; ``log`` collects what they report (arrivals, ended steps)."""
+    log = [] if log is None else log
+    return cma_steps.CmaSteps(pair, {} if holders is None else holders, seq, rank, collective, src, out, op,
+                              lambda n: np.empty(n, np.uint8), _error,
+                              arrived=lambda n: log.append(("arrived", n)),
+                              step_ended=lambda n: log.append(("step", n)))
 
 
-def _run_both(pairs, name, srcs, outs, seq=1, op="sum", first=0):
-    ops = [_op(name, r, srcs[r], outs[r], seq, op) for r in range(2)]
+def _run_both(collective, srcs, outs, seq=1, op="sum", first=0):
+    """Both ranks' steps to the end, taking turns from rank ``first``: what each reported."""
+    pairs, logs = _pairs(), ([], [])
     order = (first, 1 - first)
-    executors = {r: CmaTwoStepExecutor(ops[r], 1, pairs[r]) for r in order}
+    steps = {r: _steps(pairs[r], r, collective, srcs[r], outs[r], seq, op, log=logs[r]) for r in order}
     for _ in range(10):
         for r in order:
-            executors[r].advance()
-        if all(e.done for e in executors.values()):
-            return ops, executors
+            steps[r].advance()
+        if all(s.done for s in steps.values()):
+            return logs
     raise AssertionError("the steps did not finish")
 
 
@@ -82,27 +75,29 @@ def test_all_reduce_exact_in_rank_order(n, in_place, first):
     expected = ins[0] + ins[1]  # rank 0's operand on the left, as on every path
     srcs = [x.copy() for x in ins]
     outs = srcs if in_place else [np.full(n, np.nan, np.float32) for _ in range(2)]
-    ops, _ = _run_both(_pairs(), "all_reduce", srcs, outs, first=first)
+    logs = _run_both("all_reduce", srcs, outs, first=first)
     for r in range(2):
         assert outs[r].tobytes() == expected.tobytes()
         if not in_place:
             assert srcs[r].tobytes() == ins[r].tobytes(), "the input changed out of place"
-        # The same accounting as the UCX executor: half the input each step, both steps on 'up'.
-        assert ops[r].bytes_per_plane["up"] == srcs[r][n // 2:].nbytes + srcs[r][:n // 2].nbytes
-        assert [s["label"] for s in ops[r].stage_log] == ["reduce-scatter", "all-gather"]
+        mine, theirs = (n // 2, n - n // 2) if r == 0 else (n - n // 2, n // 2)
+        # Read: the peer's operand of my half, then its half; taken from me: my operand of its half, then my half.
+        assert logs[r] == [("arrived", 4 * mine), ("step", 4 * theirs), ("arrived", 4 * theirs), ("step", 4 * mine)]
 
 
 @pytest.mark.parametrize("op,fold,dtype", [("max", np.maximum, np.float64), ("min", np.minimum, np.int32),
                                            ("prod", np.multiply, np.int64)])
-def test_reduce_scatter_blocks_other_ops_and_dtypes(op, fold, dtype):
+@pytest.mark.parametrize("in_place", [False, True])
+def test_reduce_scatter_blocks_other_ops_and_dtypes(op, fold, dtype, in_place):
     m = 5003
     ins = [np.arange(2 * m, dtype=dtype) % 17 - 8 * r for r in range(2)]
-    outs = [np.zeros(m, dtype) for _ in range(2)]
-    ops, _ = _run_both(_pairs(), "reduce_scatter", ins, outs, op=op)
     whole = fold(ins[0], ins[1])
+    srcs = [x.copy() for x in ins]
+    outs = [srcs[r][r * m:(r + 1) * m] if in_place else np.zeros(m, dtype) for r in range(2)]
+    logs = _run_both("reduce_scatter", srcs, outs, op=op)
     for r in range(2):
         assert outs[r].tobytes() == whole[r * m:(r + 1) * m].tobytes()
-        assert [s["label"] for s in ops[r].stage_log] == ["reduce-scatter"]
+        assert logs[r] == [("arrived", m * ins[r].itemsize), ("step", m * ins[r].itemsize)]
 
 
 @pytest.mark.parametrize("in_place", [False, True])
@@ -115,10 +110,9 @@ def test_all_gather_places_both_blocks(in_place):
         for r in range(2):
             outs[r][r * m:(r + 1) * m] = blocks[r]
         srcs = [outs[r][r * m:(r + 1) * m] for r in range(2)]
-    ops, _ = _run_both(_pairs(), "all_gather", srcs, outs)
+    _run_both("all_gather", srcs, outs)
     for r in range(2):
         assert outs[r].tobytes() == np.concatenate(blocks).tobytes()
-        assert [s["label"] for s in ops[r].stage_log] == ["all-gather"]
 
 
 def test_a_stale_slot_does_not_count():
@@ -127,9 +121,9 @@ def test_a_stale_slot_does_not_count():
     pairs[1].own_slots[3 % SLOTS, SLOT_SHAPE] = 1 << 56 | 256  # an all_reduce of this shape ...
     pairs[1].post_slot(3 % SLOTS, SLOT_POSTED, 3)  # ... SLOTS operations ago
     src = np.ones(64, np.float32)
-    ex = CmaTwoStepExecutor(_op("all_reduce", 0, src, src.copy(), 3 + SLOTS), 1, pairs[0])
-    assert not ex.advance() and ex.polls_memory
-    assert "rank 1 to post its buffers" in ex.describe_stall()["waiting_for"]
+    steps = _steps(pairs[0], 0, "all_reduce", src, src.copy(), 3 + SLOTS)
+    assert not steps.advance() and not steps.done
+    assert steps.waiting_for == "the peer to post its buffers"
 
 
 def test_a_peer_of_another_shape_is_never_read(monkeypatch):
@@ -138,23 +132,20 @@ def test_a_peer_of_another_shape_is_never_read(monkeypatch):
     reads = []
     monkeypatch.setattr(cma_steps.cma, "read_into", lambda *args: reads.append(args))
     pairs = _pairs()
-    ex = [CmaTwoStepExecutor(_op("all_reduce", r, np.ones(64 + r, np.float32), np.zeros(64 + r, np.float32), 5),
-                             1, pairs[r]) for r in range(2)]
+    steps = [_steps(pairs[r], r, "all_reduce", np.ones(64 + r, np.float32), np.zeros(64 + r, np.float32), 5)
+             for r in range(2)]
     for _ in range(3):
-        assert not ex[0].advance() and not ex[1].advance()
+        assert not steps[0].advance() and not steps[1].advance()
     assert reads == []
 
 
 def test_an_operation_waits_for_its_slot_and_a_failed_one_lets_go():
     """seq and seq + SLOTS on one rank: the later waits until the earlier lets go of the
     slot; a failed operation clears its flags (a peer still reading fails its check)."""
-    pairs = _pairs()
-    engine = _Engine()
+    pairs, holders = _pairs(), {}
     src = np.ones(64, np.float32)
-    first = cma_steps.CmaSteps(pairs[0], engine.cma_slot_holders, 7, 0, "all_reduce", src, src.copy(), "sum",
-                               engine.kept_scratch, TransportError)
-    later = cma_steps.CmaSteps(pairs[0], engine.cma_slot_holders, 7 + SLOTS, 0, "all_reduce", src, src.copy(), "sum",
-                               engine.kept_scratch, TransportError)
+    first = _steps(pairs[0], 0, "all_reduce", src, src.copy(), 7, holders=holders)
+    later = _steps(pairs[0], 0, "all_reduce", src, src.copy(), 7 + SLOTS, holders=holders)
     assert "let go of slot 7" in later.waiting_for and not later.advance()
     assert pairs[1].peer_slots[7, SLOT_POSTED] == 7  # the first posted, seen from the peer
     first.abandon()
@@ -169,22 +160,20 @@ def test_a_peer_that_leaves_during_a_read_fails_the_operation(monkeypatch):
     pairs = _pairs()
     srcs = [np.ones(1000, np.float32) for _ in range(2)]
     outs = [np.zeros(1000, np.float32) for _ in range(2)]
-    executors = [CmaTwoStepExecutor(_op("all_reduce", r, srcs[r], outs[r], 9), 1, pairs[r]) for r in range(2)]
+    steps = [_steps(pairs[r], r, "all_reduce", srcs[r], outs[r], 9) for r in range(2)]
     real_read = cma.read_into
 
     def read_while_the_peer_fails(dst, pid, address):
         real_read(dst, pid, address)
-        executors[1].pending()  # rank 1's operation fails meanwhile: it clears its slot
+        steps[1].abandon()  # rank 1's operation fails meanwhile: it clears its slot
 
     monkeypatch.setattr(cma_steps.cma, "read_into", read_while_the_peer_fails)
     with pytest.raises(TransportError) as info:
-        executors[0].advance()
-    err = info.value
-    assert "left the operation" in str(err)
-    assert (err.rank, err.plane, err.peer, err.stage) == (0, "up", 1, "two-step reduce-scatter")
+        steps[0].advance()
+    assert "left the operation" in str(info.value) and info.value.stage == "reduce-scatter"
 
 
-def test_a_failed_read_names_rank_plane_peer_and_step():
+def test_a_failed_read_names_the_step_and_a_gone_peer():
     pairs = _pairs()
     gone = os.fork()
     if gone == 0:
@@ -192,14 +181,12 @@ def test_a_failed_read_names_rank_plane_peer_and_step():
     os.waitpid(gone, 0)
     pairs[0].peer_pid = gone  # a process that no longer exists
     srcs = [np.ones(256, np.float32) for _ in range(2)]
-    executors = [CmaTwoStepExecutor(_op("all_gather", r, srcs[r], np.zeros(512, np.float32), 4), 1, pairs[r])
-                 for r in range(2)]
+    steps = [_steps(pairs[r], r, "all_gather", srcs[r], np.zeros(512, np.float32), 4) for r in range(2)]
     with pytest.raises(TransportError) as info:
-        executors[0].advance()
+        steps[0].advance()
     err = info.value
     assert "rank(s) [1] are gone" in str(err) and "cross-memory read of 1024 bytes failed" in str(err)
-    assert (err.rank, err.plane, err.peer, err.stage, err.lost_ranks) == (0, "up", 1, "two-step all-gather", (1,))
-    assert executors[1].pending() == [] and executors[1].done is False  # nothing left for UCX to park
+    assert (err.stage, err.lost_ranks) == ("all-gather", (1,))
 
 
 def test_read_into_copies_and_reports_the_kernels_refusal():
@@ -264,33 +251,48 @@ def beyond_and_besides(comm):
     comm.set_path_policy("up")
     comm.all_reduce(np.ones(MIB, np.float32), algorithm="ring")
     seen["algorithm asked"] = comm.last_stats()["algorithm"]
-    comm.all_gather(np.ones(MIB, np.float32), np.empty(2 * MIB, np.float32))
-    seen["all_gather"] = comm.last_stats()["algorithm"], comm.last_stats()["moved_by"]
+    comm.all_gather(np.ones(3 * MIB, np.float32), np.empty(6 * MIB, np.float32))  # 12 MiB blocks
+    seen["all_gather over the bound"] = comm.last_stats()["algorithm"]
+    comm.reduce_scatter(np.ones(MIB // 4, np.float32), np.empty(MIB // 8, np.float32))  # 512 KiB blocks
+    seen["reduce_scatter under the bound"] = comm.last_stats()["algorithm"]
     return seen
 
 
 def test_direct_reads_only_for_2_rank_all_reduce_within_the_bound_on_up(pool):
     for seen in pool.run(beyond_and_besides):
-        assert "direct_shm" not in (seen["over the bound"], seen["fixed split"], seen["algorithm asked"]), seen
+        assert "direct_shm" not in seen.values(), seen
         assert seen["algorithm asked"] == "ring"
-        assert seen["all_gather"] == ("two_step", "cma")  # the executor reads its blocks too
+        assert seen["reduce_scatter under the bound"] == "direct"  # the direct path's messages
+
+
+@pytest.mark.parametrize("policy", ["up", "adaptive"])
+def test_reduce_scatter_and_all_gather_read_their_blocks_exactly(pool, policy):
+    """Blocks of 1-8 MiB (test_two_step's cases: odd sizes, in and out of place)."""
+    for per_rank in pool.run(block_calls, policy):
+        assert per_rank == [(c, "direct_shm", True) for c in ("reduce_scatter", "all_gather")] * len(BLOCK_CALLS)
 
 
 def async_in_flight(comm):
-    """Four direct all_reduces in flight at once (in place, two above the outboxes' size),
-    waited for in reverse; they take the segments in turn."""
+    """Direct all_reduces (through the outboxes and by reads), a reduce_scatter and an
+    all_gather in flight at once, waited for in reverse: they take the segments in turn."""
     comm.set_path_policy("adaptive")
     xs = [np.full((MIB >> 1) + (MIB >> 2) * i, float(comm.rank + i), np.float32) for i in range(4)]
-    works = [comm.all_reduce(x, async_op=True) for x in xs]
+    works = [comm.all_reduce(x, async_op=True) for x in xs[:2]]
+    scattered, gathered = np.empty(MIB // 2, np.float32), np.empty(MIB // 2, np.float32)
+    works.append(comm.reduce_scatter(np.full(MIB, float(comm.rank + 1), np.float32), scattered, async_op=True))
+    works += [comm.all_reduce(x, async_op=True) for x in xs[2:]]
+    works.append(comm.all_gather(np.full(MIB // 4, float(comm.rank), np.float32), gathered, async_op=True))
     for w in reversed(works):
         w.wait()
-    return [w.stats()["algorithm"] for w in works], all(np.array_equal(x, np.full_like(x, 1.0 + 2 * i))
-                                                        for i, x in enumerate(xs))
+    exact = (all(np.array_equal(x, np.full_like(x, 1.0 + 2 * i)) for i, x in enumerate(xs))
+             and np.array_equal(scattered, np.full_like(scattered, 3.0))
+             and np.array_equal(gathered, np.repeat(np.array([0.0, 1.0], np.float32), MIB // 4)))
+    return [w.stats()["algorithm"] for w in works], exact
 
 
 def test_direct_reads_in_flight_together_complete_exactly(pool):
     for algorithms, exact in pool.run(async_in_flight):
-        assert algorithms == ["direct_shm"] * 4 and exact
+        assert algorithms == ["direct_shm"] * 6 and exact
 
 
 def pair_state(comm):

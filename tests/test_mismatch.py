@@ -57,11 +57,14 @@ def mismatched(comm, kind):
             comm.all_reduce(np.ones((1 << 20) + 2 * r, np.float32))
         elif kind == "cma_dtype":  # the same bytes: the reads happen, the fingerprint still fails both
             comm.all_reduce(np.ones(1 << 20, np.float32 if r == 0 else np.int32))
-        elif kind == "cma_vs_two_step":  # a direct all_reduce against a reduce_scatter's two-step reads, 4 MiB each
+        elif kind == "cma_all_reduce_vs_rs":  # both read across processes, 4 MiB inputs: the shapes name the collective
             if r == 0:
                 comm.all_reduce(np.ones(1 << 20, np.float32))
             else:
                 comm.reduce_scatter(np.ones(1 << 20, np.float32), np.empty(1 << 19, np.float32))
+        elif kind == "cma_gather_size":  # all_gather blocks of 2 MiB against 2 MiB + 8 bytes, both read
+            n = (1 << 19) + 2 * r
+            comm.all_gather(np.ones(n, np.float32), np.empty(2 * n, np.float32))
         elif kind == "cma_vs_dag":  # 4 MiB direct against 32 MiB on the DAG
             comm.all_reduce(np.ones((1 << 20) if r == 0 else (8 << 20), np.float32))
         elif kind == "op_after_warm":  # pooled buffers sent 'sum' fingerprints many times before
@@ -98,7 +101,7 @@ def _run_timed(fn, *args):
                                   "medium_vs_dag", "medium_policy", "gather_vs_dag", "a2a_size",
                                   "two_step_size", "op_after_warm", "halves_size", "halves_vs_full",
                                   "medium_size_out", "halves_size_out", "shm_vs_two_step", "shm_vs_gather",
-                                  "cma_size", "cma_dtype", "cma_vs_two_step", "cma_vs_dag"])
+                                  "cma_size", "cma_dtype", "cma_all_reduce_vs_rs", "cma_vs_dag", "cma_gather_size"])
 def test_mismatched_calls_raise_on_every_rank(kind):
     results, elapsed = _run_timed(mismatched, kind)
     for rank, result in enumerate(results):
@@ -109,7 +112,7 @@ def test_mismatched_calls_raise_on_every_rank(kind):
         if kind == "policy":  # a DONE round one rank skips used to wait out the no-progress timeout
             assert "failover protection" in message, message
         if kind.startswith(("medium", "halves")) or kind in ("gather_vs_dag", "a2a_size", "two_step_size",
-                                                              "cma_size", "cma_vs_dag"):  # the fingerprint, looked at before the payload: never a truncated receive
+                                                              "cma_size", "cma_vs_dag", "cma_gather_size"):  # the fingerprint, looked at before the payload: never a truncated receive
             assert name == "MismatchError", message
             assert ("same path policy" if kind == "medium_policy" else "count") in message, message
     assert elapsed < 15, f"mismatch took {elapsed:.1f} s to surface (a timeout, not detection)"

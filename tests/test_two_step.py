@@ -1,12 +1,10 @@
 """The two-step executor (mpccs/two_step.py): 2-rank all_reduces on 'up' alone
 as two messages each way, agreed between the ranks in their fingerprint messages.
 
-Runs on live ranks over real UCX planes, with the blocks as UCX messages
-(MPCCS_CMA=0: on a pair that reads across processes, a 2-rank all_reduce of
-these sizes takes the direct path, test_two_step_cma.py); the reduce_scatter and
-all_gather cases also run with the blocks read across processes (the default
-where the kernel allows it: two_step_cma.py). One pool for each. What each call
-ran on comes from last_stats()["algorithm"] and ["moved_by"].
+Runs on live ranks over real UCX planes (one pool for the module); what each
+call ran on comes from last_stats()["algorithm"]. The pools run with the
+pair's cross-memory reads off (MPCCS_CMA=0): with them these 2-rank calls
+take the direct path (test_cma.py), which is where the executor runs.
 """
 import contextlib
 import dataclasses
@@ -21,28 +19,15 @@ from test_collectives import readds_off
 MIB = 1 << 20
 
 
-def _pool(moved_by: str):
-    p = RankPool(2, env={"MPCCS_CMA": "1" if moved_by == "cma" else "0"})
-    p.moved_by = moved_by
-    return p
+def _pool():
+    return RankPool(2, env={"MPCCS_CMA": "0"})
 
 
 @pytest.fixture(scope="module")
 def pool():
-    p = _pool("ucx")
+    p = _pool()
     yield p
     p.close()
-
-
-@pytest.fixture(scope="module")
-def cma_pool():
-    p = _pool("cma")
-    yield p
-    p.close()
-
-
-def moved_by(comm):
-    return comm.last_stats().get("moved_by")
 
 
 @contextlib.contextmanager
@@ -99,14 +84,13 @@ def calls_under(comm, policy):
                 got = np.full_like(x, 7)
                 comm.all_reduce(x, got, op=op)
                 assert np.array_equal(x, inputs(comm.rank, n, dtype)), "the input changed out of place"
-            out.append((comm.last_stats()["algorithm"], moved_by(comm),
-                        got.tobytes() == reference(n, dtype, op).tobytes()))
+            out.append((comm.last_stats()["algorithm"], got.tobytes() == reference(n, dtype, op).tobytes()))
     return out
 
 
 def test_two_step_runs_up_calls_bit_exactly(pool):
     for per_rank in pool.run(calls_under, "up"):
-        assert per_rank == [("two_step", pool.moved_by, True)] * len(CALLS)
+        assert per_rank == [("two_step", True)] * len(CALLS)
 
 
 def test_settled_adaptive_calls_take_the_two_step_executor(pool):
@@ -114,8 +98,8 @@ def test_settled_adaptive_calls_take_the_two_step_executor(pool):
     # pays); calls between probes run on 'up' alone, so on the two-step executor.
     # Probes and the calls around them keep the DAG: both must stay exact.
     for per_rank in pool.run(calls_under, "adaptive"):
-        assert all(exact for _, _, exact in per_rank), per_rank
-        assert ("two_step", pool.moved_by, True) in per_rank, per_rank
+        assert all(exact for _, exact in per_rank), per_rank
+        assert ("two_step", True) in per_rank, per_rank
 
 
 def stats_of_one_call(comm):
@@ -187,7 +171,7 @@ def peer_absent(comm):
 
 
 def test_a_missing_peer_times_out_naming_the_agreement_it_waits_for():
-    pool = _pool("ucx")  # the case leaves a call half done: a pool of its own
+    pool = _pool()  # the case leaves a call half done: a pool of its own
     try:
         message, _ = pool.run(peer_absent)
     finally:
@@ -203,14 +187,14 @@ def async_two_steps(comm):
     works = [comm.all_reduce(x, async_op=True) for x in xs]
     for work in reversed(works):  # waited for in any order
         work.wait()
-    algorithms = {(w.stats()["algorithm"], w.stats()["moved_by"]) for w in works}
+    algorithms = {w.stats()["algorithm"] for w in works}
     exact = all(np.array_equal(x, np.full_like(x, 1.0 + 2 * i)) for i, x in enumerate(xs))
     return algorithms, exact
 
 
 def test_async_two_step_calls_complete_exactly_in_any_order(pool):
     for algorithms, exact in pool.run(async_two_steps):
-        assert algorithms == {("two_step", pool.moved_by)} and exact
+        assert algorithms == {"two_step"} and exact
 
 
 def test_a_failed_two_step_parks_every_buffer_ucx_may_still_touch():
@@ -258,8 +242,7 @@ def block_calls(comm, policy):
             expected = reference(2 * m, dtype, op)[comm.rank * m:(comm.rank + 1) * m]
             got = x[comm.rank * m:(comm.rank + 1) * m] if in_place else np.full(m, 7, x.dtype)
             comm.reduce_scatter(x, got, op=op)
-            out.append(("reduce_scatter", (comm.last_stats()["algorithm"], moved_by(comm)),
-                        got.tobytes() == expected.tobytes()))
+            out.append(("reduce_scatter", comm.last_stats()["algorithm"], got.tobytes() == expected.tobytes()))
             mine = inputs(comm.rank, m, dtype)
             gathered = np.full(2 * m, 7, mine.dtype)
             if in_place:
@@ -268,21 +251,18 @@ def block_calls(comm, policy):
             else:
                 comm.all_gather(mine, gathered)
             whole = np.concatenate([inputs(0, m, dtype), inputs(1, m, dtype)])
-            out.append(("all_gather", (comm.last_stats()["algorithm"], moved_by(comm)),
-                        gathered.tobytes() == whole.tobytes()))
+            out.append(("all_gather", comm.last_stats()["algorithm"], gathered.tobytes() == whole.tobytes()))
     return out
 
 
-@pytest.mark.parametrize("moved_by", ["ucx", "cma"])
 @pytest.mark.parametrize("policy", ["up", "adaptive"])
-def test_reduce_scatter_and_all_gather_blocks_take_one_step_exactly(request, policy, moved_by):
-    pool = request.getfixturevalue("pool" if moved_by == "ucx" else "cma_pool")
+def test_reduce_scatter_and_all_gather_blocks_take_one_step_exactly(pool, policy):
     for per_rank in pool.run(block_calls, policy):
         assert all(exact for _, _, exact in per_rank), per_rank
         if policy == "up":
-            assert {algorithm for _, algorithm, _ in per_rank} == {("two_step", pool.moved_by)}, per_rank
+            assert {algorithm for _, algorithm, _ in per_rank} == {"two_step"}, per_rank
         else:  # between probes; probes and the calls around them keep the DAG
-            assert any(algorithm == ("two_step", pool.moved_by) for _, algorithm, _ in per_rank), per_rank
+            assert any(algorithm == "two_step" for _, algorithm, _ in per_rank), per_rank
 
 
 def test_the_offer_rides_after_the_fingerprint_words_in_one_kept_message():

@@ -1,8 +1,8 @@
 """Cross-memory attach: one copy straight between two processes' memory
 (Linux's process_vm_readv, 3.2 and later), as UCX's cma transport does for
 its shared-memory rendezvous, without a request, a rendezvous message or an
-acknowledgement per block. The two-step executor reads its peer's blocks
-this way where the shared-memory segments are open (two_step_cma.py).
+acknowledgement per block. The direct path's 2-rank collectives read their
+peer's blocks this way where the shared-memory segments are open (cma_steps.py).
 
 The kernel allows it where the caller may ptrace the target (same user and
 no Yama or container rule against it): transports/shm.open_pair tries one
