@@ -28,7 +28,7 @@ import mpccs.comm as comm_module
 from mpccs.direct_ops import DIRECT_MAX_BYTES
 
 sys.path.insert(0, os.path.dirname(__file__))
-from stats import (ab_cells, ab_meta, ab_parser, ab_report_head, slowest_rank, time_block,  # noqa: E402
+from stats import (ab_cells, ab_meta, ab_parser, ab_report_head, interleaved_modes, time_block,  # noqa: E402
                    write_ab_results)
 
 SIZES = tuple(k << 10 for k in (256, 384, 512, 768, 1024, 1536, 2000))  # bounded by the direct path's bound
@@ -44,15 +44,8 @@ def time_mode(comm, x: np.ndarray, out: np.ndarray, mode: str, block: int) -> fl
 
 def measure(comm, nbytes: int, iters: int, block: int, warmup: int) -> dict:
     x, out = np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32)
-    times = {mode: [] for mode in MODES}
-    path = {}
-    for i in range(warmup + iters):
-        for mode in MODES:
-            t = time_mode(comm, x, out, mode, block)
-            path[mode] = comm.last_stats()["algorithm"]
-            if i >= warmup:
-                times[mode].append(t)
-    return {"size": nbytes, "algorithm": path, "times_s": slowest_rank(comm, times)}
+    times, path = interleaved_modes(comm, MODES, lambda mode: time_mode(comm, x, out, mode, block), iters, warmup)
+    return {"size": nbytes, "algorithm": path, "times_s": times}
 
 
 def report_lines(rows: list[dict], meta: dict) -> list[str]:

@@ -26,7 +26,7 @@ import numpy as np
 import mpccs
 
 sys.path.insert(0, os.path.dirname(__file__))
-from stats import (ab_cells, ab_meta, ab_parser, ab_report_head, slowest_rank, time_block,  # noqa: E402
+from stats import (ab_cells, ab_meta, ab_parser, ab_report_head, interleaved_modes, time_block,  # noqa: E402
                    write_ab_results)
 
 MIB = 1 << 20
@@ -58,16 +58,9 @@ def time_mode(comm, pair, call, mode: str, block: int) -> float:
 
 def measure(comm, pair, collective: str, nbytes: int, iters: int, block: int, warmup: int) -> dict:
     call = make_call(comm, collective, nbytes)
-    times = {mode: [] for mode in MODES}
-    ran = {}
-    for i in range(warmup + iters):
-        for mode in MODES:
-            t = time_mode(comm, pair, call, mode, block)
-            ran[mode] = comm.last_stats()["algorithm"]
-            if i >= warmup:
-                times[mode].append(t)
+    times, ran = interleaved_modes(comm, MODES, lambda mode: time_mode(comm, pair, call, mode, block), iters, warmup)
     pair.cma = True
-    return {"size": nbytes, "algorithm": ran, "times_s": slowest_rank(comm, times)}
+    return {"size": nbytes, "algorithm": ran, "times_s": times}
 
 
 def report_lines(collective: str, rows: list[dict], meta: dict) -> list[str]:

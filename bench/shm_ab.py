@@ -26,7 +26,7 @@ import numpy as np
 import mpccs
 
 sys.path.insert(0, os.path.dirname(__file__))
-from stats import (ab_cells, ab_meta, ab_parser, ab_report_head, slowest_rank, time_block,  # noqa: E402
+from stats import (ab_cells, ab_meta, ab_parser, ab_report_head, interleaved_modes, time_block,  # noqa: E402
                    write_ab_results)
 
 SIZES = tuple(k << 10 for k in (64, 128, 256, 384, 512, 768, 1024, 1536, 2000))  # the direct path's, 2 ranks
@@ -41,16 +41,10 @@ def time_mode(comm, pair, x: np.ndarray, out: np.ndarray, mode: str, block: int)
 
 def measure(comm, pair, nbytes: int, iters: int, block: int, warmup: int) -> dict:
     x, out = np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32)
-    times = {mode: [] for mode in MODES}
-    path = {}
-    for i in range(warmup + iters):
-        for mode in MODES:
-            t = time_mode(comm, pair, x, out, mode, block)
-            path[mode] = comm.last_stats()["algorithm"]
-            if i >= warmup:
-                times[mode].append(t)
+    times, path = interleaved_modes(comm, MODES, lambda mode: time_mode(comm, pair, x, out, mode, block), iters,
+                                    warmup)
     comm._engine.shm = pair
-    return {"size": nbytes, "algorithm": path, "times_s": slowest_rank(comm, times)}
+    return {"size": nbytes, "algorithm": path, "times_s": times}
 
 
 def report_lines(rows: list[dict], meta: dict) -> list[str]:

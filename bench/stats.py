@@ -54,6 +54,22 @@ def slowest_rank(comm, times: dict) -> dict:
     return {m: worst[k].tolist() for k, m in enumerate(modes)}
 
 
+def interleaved_modes(comm, modes, time_mode, iters: int, warmup: int) -> tuple[dict, dict]:
+    """Each mode's per-op times, the slowest rank's (slowest_rank), over ``iters``
+    rounds after ``warmup``, the modes interleaved within every round so that the
+    machine's drift hits them alike (``time_mode(mode)``: this rank's seconds per
+    call); and the algorithm each mode's last call ran."""
+    times = {mode: [] for mode in modes}
+    ran = {}
+    for i in range(warmup + iters):
+        for mode in modes:
+            t = time_mode(mode)
+            ran[mode] = comm.last_stats()["algorithm"]
+            if i >= warmup:
+                times[mode].append(t)
+    return slowest_rank(comm, times), ran
+
+
 def time_block(comm, call, block: int) -> float:
     """Seconds per call of ``block`` back-to-back calls after a barrier (this rank's clock)."""
     comm.barrier()

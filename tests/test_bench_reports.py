@@ -1,5 +1,5 @@
-"""The reports of bench/peer_rounds.py, bench/two_step_ab.py and bench/setup_timeline.py, on synthetic
-timings (the runs themselves are benchmarks, not tests)."""
+"""The reports of bench/peer_rounds.py, two_step_ab.py, blocks_ab.py, cma_ab.py and setup_timeline.py, and
+bench/stats.py's interleaving, on synthetic timings (the runs themselves are benchmarks, not tests)."""
 import importlib.util
 import os
 import sys
@@ -98,3 +98,40 @@ def test_setup_timeline_keeps_the_first_occurrence_of_each_mark(monkeypatch):
     assert list(out["marks_us"]) == ["a", "b"]
     assert out["marks_us"]["a"] == pytest.approx(10.0) and out["marks_us"]["b"] == pytest.approx(20.0)
     assert out["total_us"] == pytest.approx(500.0)
+
+
+def test_interleaved_modes_keeps_rounds_after_the_warm_up_in_order():
+    stats = load("stats")
+
+    class Comm:  # one rank: the "slowest rank" is this one
+        last = None
+
+        def all_reduce(self, send, recv, op):
+            recv[...] = send
+            return recv
+
+        def last_stats(self):
+            return {"algorithm": self.last}
+
+    comm, calls = Comm(), []
+
+    def time_mode(mode):
+        calls.append(mode)
+        comm.last = f"path-{mode}"
+        return float(len(calls))
+
+    times, ran = stats.interleaved_modes(comm, ("a", "b"), time_mode, iters=2, warmup=1)
+    assert calls == ["a", "b"] * 3  # interleaved within every round
+    assert times == {"a": [3.0, 5.0], "b": [4.0, 6.0]}  # the warm-up round left out
+    assert ran == {"a": "path-a", "b": "path-b"}
+
+
+def test_cma_ab_reports_the_reads_over_the_messages():
+    ab = load("cma_ab")
+    n = 12
+    row = {"size": 4 << 20, "algorithm": {"messages": "two_step", "cma": "direct_shm", "messages_again": "two_step"},
+           "times_s": {"messages": [500e-6] * n, "cma": [400e-6] * n, "messages_again": [500e-6] * n}}
+    meta = {"mpccs": "x", "iters": n, "block": 5, "host": "test"}
+    text = "\n".join(ab.report_lines("reduce_scatter", [row], meta))
+    assert "float32 reduce_scatter" in text
+    assert table_rows(text)["4 MiB"] == ["500", "400", "1.25 [1.25, 1.25]", "0.00", "two_step / direct_shm"]
