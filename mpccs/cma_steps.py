@@ -34,14 +34,16 @@ that does not match: its fingerprint message brings the MismatchError) is
 never read from. After each read the reader checks that the peer's slot still
 shows the step it read at: a rank whose operation fails clears its slot
 (abandon) before its caller hears of it and may reuse the buffers, so a read
-that raced that reuse fails instead of completing with what it read. A slot
-is held by one operation of a rank at a time (``holders``: the engine's);
-one that an operation SLOTS sequence numbers earlier still holds is waited for.
+that raced that reuse fails instead of completing with what it read. The
+operations that run these steps take the segments in turn (Engine.shm_holder),
+so a rank has one operation in its slot table at a time; the slots rotate so
+that a peer still in a failed operation finds that operation's slot cleared,
+not its successor's.
 """
 from __future__ import annotations
 
 import errno
-from typing import Callable, Optional
+from typing import Callable
 
 import numpy as np
 
@@ -52,36 +54,31 @@ from .transports.shm import SLOT_DONE, SLOT_OUT, SLOT_POSTED, SLOT_REDUCED, SLOT
 from .two_step import STEPS, _geometry, halves
 
 SHAPE_CODES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3}
-# What each phase waits for: the slot (an earlier operation of this rank), then the peer's flags.
-CLAIM, PEER_POSTED, PEER_REDUCED, PEER_DONE, FINISHED = range(5)
+# What each phase waits for: the peer's flags.
+PEER_POSTED, PEER_REDUCED, PEER_DONE, FINISHED = range(4)
 
 
 class CmaSteps:
-    """One 2-rank call's steps (module docstring); advance() until ``done``.
+    """One 2-rank call's steps (module docstring), posted at once; advance() until
+    ``done``. ``scratch(nbytes)``: where an in-place block lands before it is
+    reduced; ``error(message, step)`` makes the exception a failed step raises
+    (naming rank, plane, peer, step)."""
 
-    ``scratch(nbytes)``: where an in-place block lands before it is reduced.
-    ``arrived(nbytes)`` and ``step_ended(sent_bytes)``: what the caller records
-    (the two-step executor's samples and stage log); ``error(message, step)``
-    makes the exception a failed step raises (naming rank, plane, peer, step)."""
-
-    def __init__(self, pair, holders: dict, seq: int, rank: int, collective: str, src: np.ndarray,
-                 out: np.ndarray, op: str, scratch: Callable[[int], np.ndarray],
-                 error: Callable[[str, str], TransportError],
-                 arrived: Optional[Callable[[int], None]] = None,
-                 step_ended: Optional[Callable[[int], None]] = None):
-        self.pair, self.holders, self.seq, self.rank, self.op = pair, holders, seq, rank, op
+    def __init__(self, pair, seq: int, rank: int, collective: str, src: np.ndarray, out: np.ndarray, op: str,
+                 scratch: Callable[[int], np.ndarray], error: Callable[[str, str], TransportError]):
+        self.pair, self.seq, self.rank, self.op = pair, seq, rank, op
         self.slot = seq % SLOTS
         self.steps, geometry = _geometry(collective, src, out, rank)
         self.mine_in, self.mine_out, self.theirs_in, self.theirs_out = geometry
         self.reduces = self.steps[0] == STEPS[0]
-        self.src, self.out = src, out
         self.src_offset, self.out_offset = _read_offsets(collective, src, out, rank)
         self.shape = SHAPE_CODES[collective] << 56 | src.nbytes
         self.scratch, self.error = scratch, error
-        self.arrived, self.step_ended = arrived, step_ended
-        self.peer_src = self.peer_out = 0
-        self.phase = CLAIM
-        self._claim()
+        self.peer_out = 0
+        own = pair.own_slots[self.slot]
+        own[SLOT_SRC], own[SLOT_OUT], own[SLOT_SHAPE] = src.ctypes.data, out.ctypes.data, self.shape
+        pair.post_slot(self.slot, SLOT_POSTED, seq)
+        self.phase = PEER_POSTED
 
     @property
     def done(self) -> bool:
@@ -90,12 +87,10 @@ class CmaSteps:
     @property
     def step(self) -> str:
         """The step under way (the one a failure names): the first until its read and reduction are made."""
-        return self.steps[0] if self.phase in (CLAIM, PEER_POSTED) else self.steps[-1]
+        return self.steps[0] if self.phase == PEER_POSTED else self.steps[-1]
 
     def advance(self) -> bool:
         """One non-blocking look at the peer's flags; True when a step moved."""
-        if self.phase == CLAIM and not self._claim():
-            return False
         peer, seq = self.pair.peer_slots[self.slot], self.seq
         moved = False
         if self.phase == PEER_POSTED:
@@ -107,74 +102,47 @@ class CmaSteps:
             if peer[SLOT_REDUCED] != seq:
                 return moved
             if len(self.steps) == 1:  # the peer is done with this rank's input
-                return self._finish(self.mine_out.nbytes if not self.reduces else self.theirs_in.nbytes)
+                self.phase = FINISHED
+                return True
             self._read(self.theirs_out, self.peer_out + self.out_offset, SLOT_REDUCED)
-            self._arrived(self.theirs_out.nbytes)
             self.pair.post_slot(self.slot, SLOT_DONE, seq)
             self.phase, moved = PEER_DONE, True
         if self.phase == PEER_DONE and peer[SLOT_DONE] == seq:
-            return self._finish(self.mine_out.nbytes)
+            self.phase = FINISHED
+            return True
         return moved
 
     def abandon(self) -> None:
         """The operation failed: clear the slot before the caller hears of it (a
         peer still reading then fails its check instead of taking what the caller
-        may now write), and let it go. Every read here was synchronous: nothing
-        is left in flight."""
-        if self.holders.get(self.slot) is self:
+        may now write). Every read here was synchronous: nothing is left in flight."""
+        if self.phase != FINISHED:
             for word in (SLOT_POSTED, SLOT_REDUCED, SLOT_DONE):
                 self.pair.post_slot(self.slot, word, 0)
-            del self.holders[self.slot]
         self.phase = FINISHED
 
     @property
     def waiting_for(self) -> str:
-        return {CLAIM: f"an earlier operation to let go of slot {self.slot}",
-                PEER_POSTED: "the peer to post its buffers",
+        return {PEER_POSTED: "the peer to post its buffers",
                 PEER_REDUCED: f"the peer to finish its {self.steps[0]} read",
                 PEER_DONE: f"the peer to finish its {STEPS[1]} read",
                 FINISHED: "nothing"}[self.phase]
 
-    def _claim(self) -> bool:
-        if self.holders.get(self.slot) is not None:
-            return False
-        self.holders[self.slot] = self
-        own = self.pair.own_slots[self.slot]
-        own[SLOT_SRC], own[SLOT_OUT], own[SLOT_SHAPE] = self.src.ctypes.data, self.out.ctypes.data, self.shape
-        self.pair.post_slot(self.slot, SLOT_POSTED, self.seq)
-        self.phase = PEER_POSTED
-        return True
-
     def _first_step(self, peer_src: int, peer_out: int) -> None:
-        self.peer_src, self.peer_out = peer_src, peer_out
+        self.peer_out = peer_out
         if self.reduces:
             incoming = self.mine_out  # out of place: reduce over the operand read into the output
             if np.may_share_memory(self.mine_in, self.mine_out):
                 incoming = self.scratch(self.mine_in.nbytes).view(self.mine_in.dtype)
             self._read(incoming, peer_src + self.src_offset, SLOT_POSTED)
-            self._arrived(self.mine_in.nbytes)
             left, right = (self.mine_in, incoming) if self.rank == 0 else (incoming, self.mine_in)
             reduce_to(self.mine_out, left, right, self.op)
         else:  # all_gather: the peer's block into its place, this rank's into its own
             self._read(self.theirs_out, peer_src + self.src_offset, SLOT_POSTED)
-            self._arrived(self.theirs_out.nbytes)
             if self.mine_out.ctypes.data != self.mine_in.ctypes.data:  # not in place
                 self.mine_out[...] = self.mine_in
         self.pair.post_slot(self.slot, SLOT_REDUCED, self.seq)
-        if len(self.steps) == 2 and self.step_ended is not None:
-            self.step_ended(self.theirs_in.nbytes)
         self.phase = PEER_REDUCED
-
-    def _finish(self, sent_last: int) -> bool:
-        if self.step_ended is not None:
-            self.step_ended(sent_last)
-        del self.holders[self.slot]
-        self.phase = FINISHED
-        return True
-
-    def _arrived(self, nbytes: int) -> None:
-        if self.arrived is not None:
-            self.arrived(nbytes)
 
     def _read(self, dst: np.ndarray, address: int, word: int) -> None:
         """One cross-memory read from the peer; then check that the peer still

@@ -751,8 +751,9 @@ class Communicator:
         2 ranks with the segments open, from DIRECT_SHM_MIN_BYTES, halves within the
         outbox, or up to DIRECT_CMA_MAX_BYTES where the pair reads across processes."""
         pair = self._engine.shm
-        return (send.nbytes >= DIRECT_SHM_MIN_BYTES and pair is not None
-                and (shm_steps.fits(send.nbytes - send.nbytes // 2) or (pair.cma and send.nbytes <= DIRECT_CMA_MAX_BYTES)))
+        if send.nbytes < DIRECT_SHM_MIN_BYTES or pair is None:
+            return False
+        return shm_steps.fits(send.nbytes - send.nbytes // 2) or (pair.cma and send.nbytes <= DIRECT_CMA_MAX_BYTES)
 
     def _avg(self, op, buf):
         return (lambda: finish_avg(buf, self.size)) if op == "avg" else None

@@ -9,11 +9,11 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import wire
+from .cma_steps import CmaSteps
 from .errors import TransportError
 from .fingerprint import Fingerprint
 from .operation import FP_BYTES, Operation, check_fingerprint
 from .reduce import reduce_into, reduce_to
-from .cma_steps import CmaSteps
 from .shm_steps import ShmSteps
 from .windows import UP
 
@@ -445,8 +445,8 @@ class DirectShmAllReduceOp(DirectAllReduceOp):
 
     def _read_steps(self) -> CmaSteps:
         engine = self.engine
-        return CmaSteps(self._pair, engine.cma_slot_holders, self.wire_seq, engine.rank, self.name, self.mine,
-                        self.out, self.op, lambda n: engine.kept_scratch("direct_shm", n), self._error)
+        return CmaSteps(self._pair, self.wire_seq, engine.rank, self.name, self.mine, self.out, self.op,
+                        lambda n: engine.kept_scratch("direct_shm", n), self._error)
 
     def _error(self, message: str, step: str) -> TransportError:
         return TransportError(message, rank=self.engine.rank, plane=UP, peer=1 - self.engine.rank, op=self.name,

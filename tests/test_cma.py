@@ -41,25 +41,20 @@ def _error(message, step):
     return TransportError(message, rank=0, plane="up", peer=1, op="test", stage=step)
 
 
-def _steps(pair, rank, collective, src, out, seq, op="sum", holders=None, log=None):
-    """One rank's steps; ``log`` collects what they report (arrivals, ended steps)."""
-    log = [] if log is None else log
-    return cma_steps.CmaSteps(pair, {} if holders is None else holders, seq, rank, collective, src, out, op,
-                              lambda n: np.empty(n, np.uint8), _error,
-                              arrived=lambda n: log.append(("arrived", n)),
-                              step_ended=lambda n: log.append(("step", n)))
+def _steps(pair, rank, collective, src, out, seq, op="sum"):
+    return cma_steps.CmaSteps(pair, seq, rank, collective, src, out, op, lambda n: np.empty(n, np.uint8), _error)
 
 
 def _run_both(collective, srcs, outs, seq=1, op="sum", first=0):
-    """Both ranks' steps to the end, taking turns from rank ``first``: what each reported."""
-    pairs, logs = _pairs(), ([], [])
+    """Both ranks' steps to the end, taking turns from rank ``first``."""
+    pairs = _pairs()
     order = (first, 1 - first)
-    steps = {r: _steps(pairs[r], r, collective, srcs[r], outs[r], seq, op, log=logs[r]) for r in order}
+    steps = {r: _steps(pairs[r], r, collective, srcs[r], outs[r], seq, op) for r in order}
     for _ in range(10):
         for r in order:
             steps[r].advance()
         if all(s.done for s in steps.values()):
-            return logs
+            return
     raise AssertionError("the steps did not finish")
 
 
@@ -75,14 +70,11 @@ def test_all_reduce_exact_in_rank_order(n, in_place, first):
     expected = ins[0] + ins[1]  # rank 0's operand on the left, as on every path
     srcs = [x.copy() for x in ins]
     outs = srcs if in_place else [np.full(n, np.nan, np.float32) for _ in range(2)]
-    logs = _run_both("all_reduce", srcs, outs, first=first)
+    _run_both("all_reduce", srcs, outs, first=first)
     for r in range(2):
         assert outs[r].tobytes() == expected.tobytes()
         if not in_place:
             assert srcs[r].tobytes() == ins[r].tobytes(), "the input changed out of place"
-        mine, theirs = (n // 2, n - n // 2) if r == 0 else (n - n // 2, n // 2)
-        # Read: the peer's operand of my half, then its half; taken from me: my operand of its half, then my half.
-        assert logs[r] == [("arrived", 4 * mine), ("step", 4 * theirs), ("arrived", 4 * theirs), ("step", 4 * mine)]
 
 
 @pytest.mark.parametrize("op,fold,dtype", [("max", np.maximum, np.float64), ("min", np.minimum, np.int32),
@@ -94,10 +86,11 @@ def test_reduce_scatter_blocks_other_ops_and_dtypes(op, fold, dtype, in_place):
     whole = fold(ins[0], ins[1])
     srcs = [x.copy() for x in ins]
     outs = [srcs[r][r * m:(r + 1) * m] if in_place else np.zeros(m, dtype) for r in range(2)]
-    logs = _run_both("reduce_scatter", srcs, outs, op=op)
+    _run_both("reduce_scatter", srcs, outs, op=op)
     for r in range(2):
         assert outs[r].tobytes() == whole[r * m:(r + 1) * m].tobytes()
-        assert logs[r] == [("arrived", m * ins[r].itemsize), ("step", m * ins[r].itemsize)]
+        if not in_place:
+            assert srcs[r].tobytes() == ins[r].tobytes(), "the input changed out of place"
 
 
 @pytest.mark.parametrize("in_place", [False, True])
@@ -139,19 +132,17 @@ def test_a_peer_of_another_shape_is_never_read(monkeypatch):
     assert reads == []
 
 
-def test_an_operation_waits_for_its_slot_and_a_failed_one_lets_go():
-    """seq and seq + SLOTS on one rank: the later waits until the earlier lets go of the
-    slot; a failed operation clears its flags (a peer still reading fails its check)."""
-    pairs, holders = _pairs(), {}
+def test_a_failed_operation_clears_its_slot_and_the_next_takes_another():
+    """A failed operation clears its flags (a peer still reading fails its check);
+    the next sequence number posts in the next slot, leaving the cleared one be."""
+    pairs = _pairs()
     src = np.ones(64, np.float32)
-    first = _steps(pairs[0], 0, "all_reduce", src, src.copy(), 7, holders=holders)
-    later = _steps(pairs[0], 0, "all_reduce", src, src.copy(), 7 + SLOTS, holders=holders)
-    assert "let go of slot 7" in later.waiting_for and not later.advance()
-    assert pairs[1].peer_slots[7, SLOT_POSTED] == 7  # the first posted, seen from the peer
-    first.abandon()
-    assert pairs[1].peer_slots[7, SLOT_POSTED] == 0 and first.done
-    later.advance()
-    assert pairs[1].peer_slots[7, SLOT_POSTED] == 7 + SLOTS  # the later holds it now
+    failed = _steps(pairs[0], 0, "all_reduce", src, src.copy(), 7)
+    assert pairs[1].peer_slots[7, SLOT_POSTED] == 7  # posted, seen from the peer
+    failed.abandon()
+    assert pairs[1].peer_slots[7, SLOT_POSTED] == 0 and failed.done
+    _steps(pairs[0], 0, "all_reduce", src, src.copy(), 8)
+    assert pairs[1].peer_slots[8, SLOT_POSTED] == 8 and pairs[1].peer_slots[7, SLOT_POSTED] == 0
 
 
 def test_a_peer_that_leaves_during_a_read_fails_the_operation(monkeypatch):
