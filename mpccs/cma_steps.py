@@ -1,5 +1,5 @@
-"""A 2-rank all_reduce, reduce_scatter or all_gather whose blocks each rank
-reads straight from its peer's buffers (cross-memory attach: transports/cma.py),
+"""A 2-rank all_reduce, reduce_scatter, all_gather or all_to_all whose blocks
+each rank reads straight from its peer's buffers (cross-memory attach: transports/cma.py),
 paced by flags in the shared-memory segments' slot tables (transports/shm.py).
 
 Why: UCX moves a block on the scale-up plane by rendezvous (a request, the
@@ -8,20 +8,23 @@ those requests costs Python and UCX time per call. Here a block is one
 process_vm_readv (the same single copy UCX's cma transport makes) and a flag.
 The direct path's 2-rank all_reduce above the outboxes' size (where their
 extra local copies lost: direct_ops.DirectShmAllReduceOp) and its
-reduce_scatter and all_gather of 1-8 MiB blocks (DirectShmBlocksOp) run so.
+reduce_scatter, all_gather and all_to_all of 1-8 MiB blocks (DirectShmBlocksOp)
+run so.
 
-The blocks are those of two_step._geometry: this rank's operand of the block
-it owns ``mine_in``, that block's result ``mine_out``, its operand of the
-peer's block ``theirs_in``, the peer's block of the output ``theirs_out``.
+The blocks are those of two_step._geometry (all_to_all: _blocks): this rank's
+operand of the block it owns ``mine_in``, that block's result ``mine_out``, its
+operand of the peer's block ``theirs_in``, the peer's block of the output
+``theirs_out``.
 Each operation uses slot ``seq % SLOTS`` of both tables; a rank writes only
 its own table:
 
 1. post the addresses of its input and output and the call's shape (the
    collective and the input's size), then POSTED = seq;
 2. once the peer posted the same shape: read the peer's operand of the block
-   this rank owns (all_gather: the peer's block) from the peer's input, reduce
-   it with its own operand in rank order (rank 0's on the left) into its
-   output, then REDUCED = seq ("my block is final, and I am done reading your
+   this rank owns (all_gather, all_to_all: the peer's block for this rank) from
+   the peer's input, reduce it with its own operand in rank order (rank 0's on
+   the left) into its output (or place it, and copy its own block), then
+   REDUCED = seq ("my block is final, and I am done reading your
    input");
 3. all_reduce only: once the peer reduced, read the peer's block of the output
    from the peer's output, then DONE = seq ("done reading your output");
@@ -51,9 +54,9 @@ from .errors import TransportError
 from .reduce import reduce_to
 from .transports import cma
 from .transports.shm import SLOT_DONE, SLOT_OUT, SLOT_POSTED, SLOT_REDUCED, SLOT_SHAPE, SLOT_SRC, SLOTS
-from .two_step import STEPS, _geometry, halves
+from .two_step import STEPS, _geometry, _split_at, halves
 
-SHAPE_CODES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3}
+SHAPE_CODES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "all_to_all": 4}
 # What each phase waits for: the peer's flags.
 PEER_POSTED, PEER_REDUCED, PEER_DONE, FINISHED = range(4)
 
@@ -68,7 +71,7 @@ class CmaSteps:
                  scratch: Callable[[int], np.ndarray], error: Callable[[str, str], TransportError]):
         self.pair, self.seq, self.rank, self.op = pair, seq, rank, op
         self.slot = seq % SLOTS
-        self.steps, geometry = _geometry(collective, src, out, rank)
+        self.steps, geometry = _blocks(collective, src, out, rank)
         self.mine_in, self.mine_out, self.theirs_in, self.theirs_out = geometry
         self.reduces = self.steps[0] == STEPS[0]
         self.src_offset, self.out_offset = _read_offsets(collective, src, out, rank)
@@ -137,7 +140,7 @@ class CmaSteps:
             self._read(incoming, peer_src + self.src_offset, SLOT_POSTED)
             left, right = (self.mine_in, incoming) if self.rank == 0 else (incoming, self.mine_in)
             reduce_to(self.mine_out, left, right, self.op)
-        else:  # all_gather: the peer's block into its place, this rank's into its own
+        else:  # all_gather, all_to_all: the peer's block into its place, this rank's into its own
             self._read(self.theirs_out, peer_src + self.src_offset, SLOT_POSTED)
             if self.mine_out.ctypes.data != self.mine_in.ctypes.data:  # not in place
                 self.mine_out[...] = self.mine_in
@@ -160,15 +163,26 @@ class CmaSteps:
             raise self.error("the peer left the operation while this rank read its buffers", self.step)
 
 
+def _blocks(collective: str, src: np.ndarray, out: np.ndarray, rank: int):
+    """(steps, (mine_in, mine_out, theirs_in, theirs_out)): two_step._geometry's,
+    and an all_to_all's (blocks of both buffers, placed like an all_gather's)."""
+    if collective == "all_to_all":
+        mine, theirs = _split_at(src.size // 2, src.size, rank)
+        return STEPS[1:], (src[mine], out[mine], src[theirs], out[theirs])
+    return _geometry(collective, src, out, rank)
+
+
 def _read_offsets(collective: str, src: np.ndarray, out: np.ndarray, rank: int) -> tuple[int, int]:
     """Where this rank's reads start in its peer's input and output, in bytes
     (the layouts are the same on both ranks): the peer's operand of the block
-    this rank owns (all_gather: the peer's whole input), and the peer's block of
-    an all_reduce's output. From the slices _geometry cuts (cheaper than asking
-    numpy for the views' addresses)."""
+    this rank owns (all_gather: the peer's whole input; all_to_all: the peer's
+    block for this rank), and the peer's block of an all_reduce's output. From
+    the slices _blocks cuts (cheaper than asking numpy for the views' addresses)."""
     if collective == "all_reduce":
         mine, theirs = halves(src.size, rank)
         return mine.start * src.itemsize, theirs.start * out.itemsize
     if collective == "reduce_scatter":
         return (out.size if rank else 0) * src.itemsize, 0
+    if collective == "all_to_all":
+        return (src.size // 2 if rank else 0) * src.itemsize, 0
     return 0, 0  # all_gather

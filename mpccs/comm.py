@@ -39,6 +39,7 @@ from .windows import OUT, UP, Pacer
 DEFAULT_WINDOW_BYTES = {UP: 4 << 20, OUT: 4 << 20}
 DEFAULT_CHUNK_BYTES = 1 << 20
 SINGLE_PLANE_CHUNK_BYTES = 1 << 20  # a sender on one plane only: comm._chunking_for
+CMA_BLOCK_COLLECTIVES = ("reduce_scatter", "all_gather", "all_to_all")  # _direct_by_cma's, besides all_reduce
 DIRECT_MAX_RANKS = 8  # the direct path sends up to p - 1 messages per rank
 DIRECT_OPS = {"all_gather": DirectAllGatherOp, "reduce_scatter": DirectReduceScatterOp, "all_to_all": DirectAllToAllOp,
               "broadcast": DirectBroadcastOp, "reduce": DirectReduceOp}
@@ -708,9 +709,9 @@ class Communicator:
     def _direct_by_cma(self, collective: str, block_bytes: int, call_bytes: int) -> bool:
         """On a pair that reads across processes (transports/shm.py: both ranks agreed
         at set-up), under policy 'up' or 'adaptive': a 2-rank all_reduce from
-        DIRECT_SHM_MIN_BYTES to DIRECT_CMA_MAX_BYTES, or reduce_scatter / all_gather
-        with blocks in DIRECT_CMA_BLOCK_BYTES, takes the direct path on 'up' alone,
-        reading from the peer (cma_steps.py).
+        DIRECT_SHM_MIN_BYTES to DIRECT_CMA_MAX_BYTES, or reduce_scatter /
+        all_gather / all_to_all with blocks in DIRECT_CMA_BLOCK_BYTES, takes the
+        direct path on 'up' alone, reading from the peer (cma_steps.py).
 
         Under 'adaptive' this takes the call from the controller: both ranks are on
         one host and 'up' is shared memory the ranks copy themselves, so the copy is
@@ -726,7 +727,7 @@ class Communicator:
         if collective == "all_reduce":
             return DIRECT_SHM_MIN_BYTES <= call_bytes <= DIRECT_CMA_MAX_BYTES
         low, high = DIRECT_CMA_BLOCK_BYTES
-        return collective in ("reduce_scatter", "all_gather") and low <= block_bytes <= high
+        return collective in CMA_BLOCK_COLLECTIVES and low <= block_bytes <= high
 
     def _run_direct(self, name, send, out, op, result, async_op, finalize=None, root=None):
         # Always the control plane (scale-up where it reaches): both ends must
@@ -735,7 +736,7 @@ class Communicator:
         kind = DIRECT_OPS.get(name, DirectAllReduceOp)  # all_reduce and barrier: DirectAllReduceOp
         if name == "all_reduce" and self._through_segments(send):
             kind = DirectShmAllReduceOp
-        elif name in ("reduce_scatter", "all_gather") and self._direct_by_cma(name, min(send.nbytes, out.nbytes), 0):
+        elif name in CMA_BLOCK_COLLECTIVES and self._direct_by_cma(name, _block_bytes(name, send, out, self.size), 0):
             kind = DirectShmBlocksOp
         elif name == "all_reduce" and send.nbytes >= DIRECT_BLOCKS_MIN_BYTES:
             kind = DirectBlocksAllReduceOp
@@ -1010,6 +1011,13 @@ def _wire_up(planes: dict, rank: int, timeout_s: float) -> None:
             raise TransportError(f"planes did not connect within {timeout_s:g} s (wire-up)", rank=rank)
     for r in requests:
         r.check_error()
+
+
+def _block_bytes(collective: str, send: np.ndarray, out: np.ndarray, world: int) -> int:
+    """One rank's block of a reduce_scatter (its output), all_gather (its input) or all_to_all."""
+    if collective == "reduce_scatter":
+        return out.nbytes
+    return send.nbytes if collective == "all_gather" else send.nbytes // world
 
 
 def _hashable(value):

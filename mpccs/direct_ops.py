@@ -49,10 +49,11 @@ DIRECT_SHM_MIN_BYTES = 384 << 10
 # 2052-2109.
 DIRECT_CMA_FROM_BYTES = 2 << 20
 DIRECT_CMA_MAX_BYTES = 16 << 20
-# A 2-rank reduce_scatter or all_gather with blocks in this range takes the
-# direct path on such a pair too, each rank reading the block it needs straight
-# into its output (DirectShmBlocksOp): from where the direct path's messages
-# stop (blocks under 1 MiB, comm._direct_medium) to the two-step executor's bound.
+# A 2-rank reduce_scatter, all_gather or all_to_all with blocks in this range
+# takes the direct path on such a pair too, each rank reading the block it needs
+# straight into its output (DirectShmBlocksOp): from where the direct path's
+# messages stop (blocks under 1 MiB, comm._direct_medium) to the two-step
+# executor's bound.
 DIRECT_CMA_BLOCK_BYTES = (1 << 20, 8 << 20)
 DIRECT_POOL_PER_SIZE = 4  # reusable DirectBuffers kept per size (operations in flight at once)
 DIRECT_POOL_SIZES = 32  # sizes kept
@@ -502,7 +503,7 @@ class DirectShmAllReduceOp(DirectAllReduceOp):
 
 
 class DirectShmBlocksOp(DirectShmAllReduceOp):
-    """A 2-rank reduce_scatter or all_gather of blocks in DIRECT_CMA_BLOCK_BYTES
+    """A 2-rank reduce_scatter, all_gather or all_to_all of blocks in DIRECT_CMA_BLOCK_BYTES
     on a pair that reads across processes: each rank reads the block it needs
     from its peer's input straight into its output (cma_steps.py; reduce_scatter
     reduces it there with its own operand in rank order), behind the direct
@@ -512,8 +513,8 @@ class DirectShmBlocksOp(DirectShmAllReduceOp):
                  fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,
                  name: str = "reduce_scatter"):
         super().__init__(engine, seq, send, out, op, world, fingerprint, finalize, name)
-        if name == "reduce_scatter":  # the peer reads the block it owns, half the input
-            self.bytes_per_plane[UP] -= send.nbytes - out.nbytes
+        if name != "all_gather":  # the peer reads the block it owns (or is sent), half the input
+            self.bytes_per_plane[UP] -= send.nbytes // 2
 
     def _start_steps(self) -> bool:
         if self.engine.shm_holder is not None:

@@ -1,7 +1,7 @@
 """Cross-memory reads between the two ranks of a pair: the transport
 (transports/cma.py), the steps (cma_steps.py), and the direct path's 2-rank
-all_reduce (DirectShmAllReduceOp above DIRECT_CMA_FROM_BYTES), reduce_scatter
-and all_gather (DirectShmBlocksOp) that read their blocks so.
+all_reduce (DirectShmAllReduceOp above DIRECT_CMA_FROM_BYTES), reduce_scatter,
+all_gather and all_to_all (DirectShmBlocksOp) that read their blocks so.
 
 The steps run first with both ranks in this one process: two segments mapped
 into each other (as test_shm does) and the "peer" pid this process's own, so
@@ -106,6 +106,16 @@ def test_all_gather_places_both_blocks(in_place):
     _run_both("all_gather", srcs, outs)
     for r in range(2):
         assert outs[r].tobytes() == np.concatenate(blocks).tobytes()
+
+
+@pytest.mark.parametrize("m", [1, 4099])
+def test_all_to_all_exchanges_the_blocks(m):
+    srcs = [np.arange(2 * m, dtype=np.int16) + 1000 * r for r in range(2)]
+    outs = [np.full(2 * m, -1, np.int16) for _ in range(2)]
+    _run_both("all_to_all", srcs, outs)
+    for r in range(2):  # block i of rank r's output: block r of rank i's input
+        expected = np.concatenate([srcs[0][r * m:(r + 1) * m], srcs[1][r * m:(r + 1) * m]])
+        assert outs[r].tobytes() == expected.tobytes()
 
 
 def test_a_stale_slot_does_not_count():
@@ -261,6 +271,26 @@ def test_reduce_scatter_and_all_gather_read_their_blocks_exactly(pool, policy):
     """Blocks of 1-8 MiB (test_two_step's cases: odd sizes, in and out of place)."""
     for per_rank in pool.run(block_calls, policy):
         assert per_rank == [(c, "direct_shm", True) for c in ("reduce_scatter", "all_gather")] * len(BLOCK_CALLS)
+
+
+def all_to_all_blocks(comm, policy):
+    """all_to_all of 1-8 MiB blocks, odd counts and several dtypes: (executor, exact)."""
+    comm.set_path_policy(policy)
+    out = []
+    for nbytes, dtype in ((MIB, "float32"), (MIB + 2, "float16"), (3 * MIB + 8, "int64"), (8 * MIB, "uint8")):
+        m = nbytes // dtype_of(dtype).itemsize
+        x = inputs(comm.rank, 2 * m, dtype)
+        got = np.full_like(x, 7)
+        comm.all_to_all(x, got)
+        expected = np.concatenate([inputs(r, 2 * m, dtype)[comm.rank * m:(comm.rank + 1) * m] for r in range(2)])
+        out.append((comm.last_stats()["algorithm"], got.tobytes() == expected.tobytes()))
+    return out
+
+
+@pytest.mark.parametrize("policy", ["up", "adaptive"])
+def test_all_to_all_reads_its_blocks_exactly(pool, policy):
+    for per_rank in pool.run(all_to_all_blocks, policy):
+        assert per_rank == [("direct_shm", True)] * 4, per_rank
 
 
 def async_in_flight(comm):

@@ -65,6 +65,11 @@ def mismatched(comm, kind):
         elif kind == "cma_gather_size":  # all_gather blocks of 2 MiB against 2 MiB + 8 bytes, both read
             n = (1 << 19) + 2 * r
             comm.all_gather(np.ones(n, np.float32), np.empty(2 * n, np.float32))
+        elif kind == "cma_a2a_vs_gather":  # 2 MiB blocks each, the same bytes read: the shapes name the collective
+            if r == 0:
+                comm.all_to_all(np.ones(1 << 20, np.float32), np.empty(1 << 20, np.float32))
+            else:
+                comm.all_gather(np.ones(1 << 19, np.float32), np.empty(1 << 20, np.float32))
         elif kind == "cma_vs_dag":  # 4 MiB direct against 32 MiB on the DAG
             comm.all_reduce(np.ones((1 << 20) if r == 0 else (8 << 20), np.float32))
         elif kind == "op_after_warm":  # pooled buffers sent 'sum' fingerprints many times before
@@ -101,7 +106,8 @@ def _run_timed(fn, *args):
                                   "medium_vs_dag", "medium_policy", "gather_vs_dag", "a2a_size",
                                   "two_step_size", "op_after_warm", "halves_size", "halves_vs_full",
                                   "medium_size_out", "halves_size_out", "shm_vs_two_step", "shm_vs_gather",
-                                  "cma_size", "cma_dtype", "cma_all_reduce_vs_rs", "cma_vs_dag", "cma_gather_size"])
+                                  "cma_size", "cma_dtype", "cma_all_reduce_vs_rs", "cma_vs_dag", "cma_gather_size",
+                                  "cma_a2a_vs_gather"])
 def test_mismatched_calls_raise_on_every_rank(kind):
     results, elapsed = _run_timed(mismatched, kind)
     for rank, result in enumerate(results):
