@@ -134,18 +134,23 @@ def test_a_bad_setting_is_a_one_line_usage_error(tool, argv, env, message):
     assert "Traceback" not in p.stderr
 
 
-def test_info_says_whether_the_shared_memory_segments_are_open():
+def test_info_says_whether_the_shared_memory_segments_are_open_and_read_across():
     runs = {}
-    for shm_setting in ("1", "0"):
+    for shm_setting, cma_setting in (("1", "1"), ("1", "0"), ("0", "1")):
         p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "2", os.path.join(BIN, "mpccs-info")],
-                           capture_output=True, text=True, timeout=120, env=dict(clean_env(), MPCCS_SHM=shm_setting))
+                           capture_output=True, text=True, timeout=120,
+                           env=dict(clean_env(), MPCCS_SHM=shm_setting, MPCCS_CMA=cma_setting))
         assert p.returncode == 0, p.stderr
-        runs[shm_setting] = sorted(line.split("segments: ")[1].split()[0]
-                                   for line in p.stdout.splitlines() if "shared-memory segments:" in line)
-    from mpccs.transports import shm
+        lines = p.stdout.splitlines()
+        runs[shm_setting + cma_setting] = (
+            sorted(line.split("segments: ")[1].split()[0] for line in lines if "shared-memory segments:" in line),
+            sorted(line.split("reads: ")[1].split()[0] for line in lines if "cross-memory reads:" in line))
+    from mpccs.transports import cma, shm
 
     opened = "open" if shm.supported() else "closed"  # x86-64 with /dev/shm only
-    assert runs == {"1": [opened, opened], "0": ["closed", "closed"]}
+    reads = "on" if shm.supported() and cma.available() else "off"  # and a kernel that allows the read
+    assert runs == {"11": ([opened] * 2, [reads] * 2), "10": ([opened] * 2, ["off"] * 2),
+                    "01": (["closed"] * 2, ["off"] * 2)}
 
 
 def test_info_says_how_device_arrays_travel():
