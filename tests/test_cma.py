@@ -200,6 +200,21 @@ def test_read_into_copies_and_reports_the_kernels_refusal():
     assert info.value.errno == errno.EFAULT
 
 
+def test_naming_the_peer_as_reader_is_harmless_without_yama():
+    """The set-up names the peer as the process that may read this one (Yama's
+    ptrace_scope 1 lets only ancestors otherwise); without Yama the kernel refuses
+    the request with EINVAL and nothing changes: reads are allowed anyway."""
+    allowed = cma.allow_reads_by(os.getppid())
+    if os.path.exists("/proc/sys/kernel/yama/ptrace_scope"):
+        assert isinstance(allowed, bool)  # scope 2 and 3 refuse an unprivileged caller
+    else:
+        assert allowed is False
+        src = np.arange(10, dtype=np.int64)  # and this process still reads (itself)
+        dst = np.zeros_like(src)
+        cma.read_into(dst, os.getpid(), src.ctypes.data)
+        assert np.array_equal(dst, src)
+
+
 # -- live ranks -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pool():

@@ -4,9 +4,14 @@ its shared-memory rendezvous, without a request, a rendezvous message or an
 acknowledgement per block. The direct path's 2-rank collectives read their
 peer's blocks this way where the shared-memory segments are open (cma_steps.py).
 
-The kernel allows it where the caller may ptrace the target (same user and
-no Yama or container rule against it): transports/shm.open_pair tries one
-read at start-up and uses it only where both ranks' tries succeeded.
+The kernel allows it where the caller may ptrace the target: the same user,
+and no Yama or container rule against it. Under Yama's ptrace_scope 1 (the
+default of Ubuntu and others) only a process's ancestors may, and two ranks
+are siblings: each rank names its peer as the one process allowed
+(allow_reads_by, prctl PR_SET_PTRACER), which is what UCX's own cma transport
+leaves to the administrator (ptrace_scope 0). transports/shm.open_pair does
+that, tries one read at start-up and uses reads only where both ranks' tries
+succeeded.
 """
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ import ctypes
 import os
 
 import numpy as np
+
+PR_SET_PTRACER = 0x59616D61  # Yama's prctl: the one process, besides ancestors, that may trace this one
 
 
 class _IoVec(ctypes.Structure):
@@ -34,8 +41,30 @@ def _load_readv():
 _readv = _load_readv()
 
 
+def _load_prctl():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    return fn
+
+
+_prctl = _load_prctl()
+
+
 def available() -> bool:
     return _readv is not None
+
+
+def allow_reads_by(pid: int) -> bool:
+    """Let process ``pid`` read this one's memory under Yama's ptrace_scope 1
+    (the peer rank, a sibling, not an ancestor). Only that process: it replaces
+    any earlier choice. False where there is no Yama (EINVAL; nothing to allow)
+    or it refuses (scope 2 and 3 need privileges, which the set-up's try then
+    finds)."""
+    return _prctl is not None and _prctl(PR_SET_PTRACER, pid, 0, 0, 0) == 0
 
 
 def read_into(dst: np.ndarray, pid: int, remote_address: int) -> None:

@@ -27,10 +27,12 @@ numbers of the steps it reached (slot seq % SLOTS; a stale slot holds
 another sequence number, so a waiter tests ``==``).
 
 Set-up (open_pair): each rank creates its segment in /dev/shm under a name
-of its own, the names go through the bootstrap store, each maps its peer's,
-tries one cross-memory read of a cookie in its peer's header, and once both
-have (a second exchange, which carries the outcomes) each unlinks its own: a
-crash leaves no file behind, the mappings live as long as the processes.
+of its own, the names go through the bootstrap store, each maps its peer's
+and lets that peer's pid read its memory (cma.allow_reads_by: Yama), and once
+both have (a second exchange) each tries one cross-memory read of a cookie in
+its peer's header; once both have (a third, which carries the outcomes) each
+unlinks its own: a crash leaves no file behind, the mappings live as long as
+the processes.
 """
 from __future__ import annotations
 
@@ -177,6 +179,11 @@ def open_pair(store, rank: int, timeout_s: float, willing: bool, cma_willing: bo
             peer = _map_peer(peer_name)
         except (OSError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}"
+    if peer is not None and cma_willing:
+        cma.allow_reads_by(int(_header(peer)[WORD_PID]))
+    # Both have let the other read (where Yama asks for it) before either tries.
+    store.set(f"shm/mapped/{rank}", b"1")
+    store.gather("shm/mapped", 2, timeout_s)
     outcome = (b"1c" if cma_willing and _reads_by_cma(peer) else b"1") if peer is not None else error.encode() or b"0"
     store.set(f"shm/ok/{rank}", outcome)
     both = store.gather("shm/ok", 2, timeout_s)
