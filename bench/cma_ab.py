@@ -6,11 +6,12 @@ pair without the reads (2 ranks, one host).
 Float32, out of place, policy 'adaptive' as shipped, default planes, at the
 sizes where the reads apply: all_reduce from 2 MiB to the direct path's bound
 on such a pair (direct_ops.DIRECT_CMA_MAX_BYTES), reduce_scatter, all_gather
-and all_to_all blocks of 1-8 MiB (DIRECT_CMA_BLOCK_BYTES). Each iteration times a
+and all_to_all blocks of 1-8 MiB, broadcast and reduce (root 0) of 1-8 MiB
+(DIRECT_CMA_BLOCK_BYTES). Each iteration times a
 block of back-to-back operations three ways, interleaved: without the reads
 (the pair's ``cma`` off on both ranks between the same operations: the
-two-step executor over UCX messages, or for all_to_all the DAG's pairwise
-schedule, what ran before), with them (the direct
+two-step executor over UCX messages, or for all_to_all, broadcast and reduce
+the DAG's schedules, what ran before), with them (the direct
 path reading its blocks: cma_steps.py), and without them again (the A/A noise
 floor). The communicator's cached path answers are dropped at each switch;
 one call each way precedes every timed block. Per-op time = block time /
@@ -31,11 +32,13 @@ from stats import (ab_cells, ab_meta, ab_parser, ab_report_head, interleaved_mod
                    write_ab_results)
 
 MIB = 1 << 20
-# nccl-tests' sizes: the whole buffer (all_reduce, reduce_scatter, all_to_all: the input; all_gather: the output)
+# nccl-tests' sizes: the whole buffer (all_gather: the output; the others: the input)
 SIZES = {"all_reduce": tuple(k * MIB for k in (2, 3, 4, 6, 8, 12, 16)),
          "reduce_scatter": tuple(k * MIB for k in (2, 4, 8, 16)),
          "all_gather": tuple(k * MIB for k in (2, 4, 8, 16)),
-         "all_to_all": tuple(k * MIB for k in (2, 4, 8, 16))}
+         "all_to_all": tuple(k * MIB for k in (2, 4, 8, 16)),
+         "broadcast": tuple(k * MIB for k in (1, 2, 4, 8)),
+         "reduce": tuple(k * MIB for k in (1, 2, 4, 8))}
 MODES = ("messages", "cma", "messages_again")
 
 
@@ -50,6 +53,12 @@ def make_call(comm, collective: str, nbytes: int):
     if collective == "all_to_all":
         x, out = np.ones(n, np.float32), np.empty(n, np.float32)
         return lambda: comm.all_to_all(x, out)
+    if collective == "broadcast":
+        x = np.ones(n, np.float32)
+        return lambda: comm.broadcast(x, root=0)
+    if collective == "reduce":
+        x, out = np.ones(n, np.float32), np.empty(n, np.float32)
+        return lambda: comm.reduce(x, out if comm.rank == 0 else None, root=0)
     x, out = np.ones(n // 2, np.float32), np.empty(n, np.float32)
     return lambda: comm.all_gather(x, out)
 

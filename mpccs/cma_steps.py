@@ -1,5 +1,5 @@
-"""A 2-rank all_reduce, reduce_scatter, all_gather or all_to_all whose blocks
-each rank reads straight from its peer's buffers (cross-memory attach: transports/cma.py),
+"""A 2-rank all_reduce, reduce_scatter, all_gather, all_to_all, broadcast or
+reduce whose blocks each rank reads straight from its peer's buffers (cross-memory attach: transports/cma.py),
 paced by flags in the shared-memory segments' slot tables (transports/shm.py).
 
 Why: UCX moves a block on the scale-up plane by rendezvous (a request, the
@@ -8,8 +8,8 @@ those requests costs Python and UCX time per call. Here a block is one
 process_vm_readv (the same single copy UCX's cma transport makes) and a flag.
 The direct path's 2-rank all_reduce above the outboxes' size (where their
 extra local copies lost: direct_ops.DirectShmAllReduceOp) and its
-reduce_scatter, all_gather and all_to_all of 1-8 MiB blocks (DirectShmBlocksOp)
-run so.
+reduce_scatter, all_gather, all_to_all, broadcast and reduce of 1-8 MiB blocks
+(DirectShmBlocksOp) run so.
 
 The blocks are those of two_step._geometry (all_to_all: _blocks): this rank's
 operand of the block it owns ``mine_in``, that block's result ``mine_out``, its
@@ -30,6 +30,11 @@ its own table:
    from the peer's output, then DONE = seq ("done reading your output");
 4. done once the peer posted the last flag of its own steps (REDUCED, or DONE
    for an all_reduce): from then on the peer reads nothing of ours.
+
+A broadcast or reduce has one reader (the rank that is not the root of a
+broadcast, the root of a reduce): it takes step 2 and is done, as the other
+reads nothing of its memory; the other posts (step 1) and is done on the
+reader's REDUCED.
 
 A rank never writes into its peer's memory, so nothing a failed or confused
 peer does can reach this rank's buffers. A peer whose shape differs (a call
@@ -56,7 +61,7 @@ from .transports import cma
 from .transports.shm import SLOT_DONE, SLOT_OUT, SLOT_POSTED, SLOT_REDUCED, SLOT_SHAPE, SLOT_SRC, SLOTS
 from .two_step import STEPS, _geometry, _split_at, halves
 
-SHAPE_CODES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "all_to_all": 4}
+SHAPE_CODES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "all_to_all": 4, "broadcast": 5, "reduce": 6}
 # What each phase waits for: the peer's flags.
 PEER_POSTED, PEER_REDUCED, PEER_DONE, FINISHED = range(4)
 
@@ -68,20 +73,24 @@ class CmaSteps:
     (naming rank, plane, peer, step)."""
 
     def __init__(self, pair, seq: int, rank: int, collective: str, src: np.ndarray, out: np.ndarray, op: str,
-                 scratch: Callable[[int], np.ndarray], error: Callable[[str, str], TransportError]):
+                 scratch: Callable[[int], np.ndarray], error: Callable[[str, str], TransportError], root: int = 0):
         self.pair, self.seq, self.rank, self.op = pair, seq, rank, op
         self.slot = seq % SLOTS
         self.steps, geometry = _blocks(collective, src, out, rank)
         self.mine_in, self.mine_out, self.theirs_in, self.theirs_out = geometry
-        self.reduces = self.steps[0] == STEPS[0]
+        self.reduces = collective in ("all_reduce", "reduce_scatter", "reduce")
+        # Who reads: both ranks, but for a broadcast (the rank that is not the root) and a reduce (the root).
+        readers = {"broadcast": 1 - root, "reduce": root}.get(collective)
+        self.reads = readers in (None, rank)
+        self.peer_reads = readers in (None, 1 - rank)
         self.src_offset, self.out_offset = _read_offsets(collective, src, out, rank)
-        self.shape = SHAPE_CODES[collective] << 56 | src.nbytes
+        self.shape = SHAPE_CODES[collective] << 56 | root << 48 | src.nbytes
         self.scratch, self.error = scratch, error
         self.peer_out = 0
         own = pair.own_slots[self.slot]
         own[SLOT_SRC], own[SLOT_OUT], own[SLOT_SHAPE] = src.ctypes.data, out.ctypes.data, self.shape
         pair.post_slot(self.slot, SLOT_POSTED, seq)
-        self.phase = PEER_POSTED
+        self.phase = PEER_POSTED if self.reads else PEER_REDUCED
 
     @property
     def done(self) -> bool:
@@ -100,6 +109,9 @@ class CmaSteps:
             if peer[SLOT_POSTED] != seq or peer[SLOT_SHAPE] != self.shape:
                 return False
             self._first_step(int(peer[SLOT_SRC]), int(peer[SLOT_OUT]))
+            if not self.peer_reads:  # a broadcast's or reduce's reader: nothing of it is read
+                self.phase = FINISHED
+                return True
             moved = True
         if self.phase == PEER_REDUCED:
             if peer[SLOT_REDUCED] != seq:
@@ -133,14 +145,14 @@ class CmaSteps:
 
     def _first_step(self, peer_src: int, peer_out: int) -> None:
         self.peer_out = peer_out
-        if self.reduces:
+        if self.reduces:  # (a reduce's root)
             incoming = self.mine_out  # out of place: reduce over the operand read into the output
             if np.may_share_memory(self.mine_in, self.mine_out):
                 incoming = self.scratch(self.mine_in.nbytes).view(self.mine_in.dtype)
             self._read(incoming, peer_src + self.src_offset, SLOT_POSTED)
             left, right = (self.mine_in, incoming) if self.rank == 0 else (incoming, self.mine_in)
             reduce_to(self.mine_out, left, right, self.op)
-        else:  # all_gather, all_to_all: the peer's block into its place, this rank's into its own
+        else:  # all_gather, all_to_all, broadcast: the peer's block into its place, this rank's into its own
             self._read(self.theirs_out, peer_src + self.src_offset, SLOT_POSTED)
             if self.mine_out.ctypes.data != self.mine_in.ctypes.data:  # not in place
                 self.mine_out[...] = self.mine_in
@@ -165,10 +177,16 @@ class CmaSteps:
 
 def _blocks(collective: str, src: np.ndarray, out: np.ndarray, rank: int):
     """(steps, (mine_in, mine_out, theirs_in, theirs_out)): two_step._geometry's,
-    and an all_to_all's (blocks of both buffers, placed like an all_gather's)."""
+    an all_to_all's (blocks of both buffers, placed like an all_gather's), and a
+    broadcast's or reduce's (one block, the whole buffer: the reader's operand
+    and output, the other's input)."""
     if collective == "all_to_all":
         mine, theirs = _split_at(src.size // 2, src.size, rank)
         return STEPS[1:], (src[mine], out[mine], src[theirs], out[theirs])
+    if collective == "broadcast":  # placed whole; nothing of this rank's own to copy
+        return (collective,), (src[:0], out[:0], src, out)
+    if collective == "reduce":  # the root's operand and output (a rank that is not the root reads nothing)
+        return (collective,), (src, out, src, out[:0])
     return _geometry(collective, src, out, rank)
 
 
@@ -185,4 +203,4 @@ def _read_offsets(collective: str, src: np.ndarray, out: np.ndarray, rank: int) 
         return (out.size if rank else 0) * src.itemsize, 0
     if collective == "all_to_all":
         return (src.size // 2 if rank else 0) * src.itemsize, 0
-    return 0, 0  # all_gather
+    return 0, 0  # all_gather, broadcast, reduce: the peer's whole input

@@ -39,7 +39,8 @@ from .windows import OUT, UP, Pacer
 DEFAULT_WINDOW_BYTES = {UP: 4 << 20, OUT: 4 << 20}
 DEFAULT_CHUNK_BYTES = 1 << 20
 SINGLE_PLANE_CHUNK_BYTES = 1 << 20  # a sender on one plane only: comm._chunking_for
-CMA_BLOCK_COLLECTIVES = ("reduce_scatter", "all_gather", "all_to_all")  # _direct_by_cma's, besides all_reduce
+# _direct_by_cma's, besides all_reduce (broadcast and reduce: the whole buffer is the block)
+CMA_BLOCK_COLLECTIVES = ("reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce")
 DIRECT_MAX_RANKS = 8  # the direct path sends up to p - 1 messages per rank
 DIRECT_OPS = {"all_gather": DirectAllGatherOp, "reduce_scatter": DirectReduceScatterOp, "all_to_all": DirectAllToAllOp,
               "broadcast": DirectBroadcastOp, "reduce": DirectReduceOp}
@@ -710,8 +711,9 @@ class Communicator:
         """On a pair that reads across processes (transports/shm.py: both ranks agreed
         at set-up), under policy 'up' or 'adaptive': a 2-rank all_reduce from
         DIRECT_SHM_MIN_BYTES to DIRECT_CMA_MAX_BYTES, or reduce_scatter /
-        all_gather / all_to_all with blocks in DIRECT_CMA_BLOCK_BYTES, takes the
-        direct path on 'up' alone, reading from the peer (cma_steps.py).
+        all_gather / all_to_all with blocks in DIRECT_CMA_BLOCK_BYTES (broadcast,
+        reduce: a buffer in it), takes the direct path on 'up' alone, reading from
+        the peer (cma_steps.py).
 
         Under 'adaptive' this takes the call from the controller: both ranks are on
         one host and 'up' is shared memory the ranks copy themselves, so the copy is
@@ -1014,10 +1016,11 @@ def _wire_up(planes: dict, rank: int, timeout_s: float) -> None:
 
 
 def _block_bytes(collective: str, send: np.ndarray, out: np.ndarray, world: int) -> int:
-    """One rank's block of a reduce_scatter (its output), all_gather (its input) or all_to_all."""
+    """One rank's block of a reduce_scatter (its output), all_gather (its input), all_to_all, or
+    the whole buffer of a broadcast or reduce."""
     if collective == "reduce_scatter":
         return out.nbytes
-    return send.nbytes if collective == "all_gather" else send.nbytes // world
+    return send.nbytes // world if collective == "all_to_all" else send.nbytes
 
 
 def _hashable(value):

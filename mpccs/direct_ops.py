@@ -49,11 +49,11 @@ DIRECT_SHM_MIN_BYTES = 384 << 10
 # 2052-2109.
 DIRECT_CMA_FROM_BYTES = 2 << 20
 DIRECT_CMA_MAX_BYTES = 16 << 20
-# A 2-rank reduce_scatter, all_gather or all_to_all with blocks in this range
-# takes the direct path on such a pair too, each rank reading the block it needs
-# straight into its output (DirectShmBlocksOp): from where the direct path's
-# messages stop (blocks under 1 MiB, comm._direct_medium) to the two-step
-# executor's bound.
+# A 2-rank reduce_scatter, all_gather or all_to_all with blocks in this range,
+# or broadcast or reduce of a buffer in it, takes the direct path on such a pair
+# too, each rank reading the block it needs straight into its output
+# (DirectShmBlocksOp): from where the direct path's messages stop (blocks under
+# 1 MiB, comm._direct_medium) to the two-step executor's bound.
 DIRECT_CMA_BLOCK_BYTES = (1 << 20, 8 << 20)
 DIRECT_POOL_PER_SIZE = 4  # reusable DirectBuffers kept per size (operations in flight at once)
 DIRECT_POOL_SIZES = 32  # sizes kept
@@ -423,6 +423,7 @@ class DirectShmAllReduceOp(DirectAllReduceOp):
     here, which was once the peer had taken everything from this outbox."""
 
     algorithm = "direct_shm"
+    root = 0  # (DirectShmBlocksOp's broadcast and reduce have one)
 
     def __init__(self, engine, seq, send: np.ndarray, out: np.ndarray, op: str, world: int,
                  fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,
@@ -447,7 +448,7 @@ class DirectShmAllReduceOp(DirectAllReduceOp):
     def _read_steps(self) -> CmaSteps:
         engine = self.engine
         return CmaSteps(self._pair, self.wire_seq, engine.rank, self.name, self.mine, self.out, self.op,
-                        lambda n: engine.kept_scratch("direct_shm", n), self._error)
+                        lambda n: engine.kept_scratch("direct_shm", n), self._error, self.root)
 
     def _error(self, message: str, step: str) -> TransportError:
         return TransportError(message, rank=self.engine.rank, plane=UP, peer=1 - self.engine.rank, op=self.name,
@@ -503,18 +504,20 @@ class DirectShmAllReduceOp(DirectAllReduceOp):
 
 
 class DirectShmBlocksOp(DirectShmAllReduceOp):
-    """A 2-rank reduce_scatter, all_gather or all_to_all of blocks in DIRECT_CMA_BLOCK_BYTES
-    on a pair that reads across processes: each rank reads the block it needs
-    from its peer's input straight into its output (cma_steps.py; reduce_scatter
-    reduces it there with its own operand in rank order), behind the direct
-    path's fingerprint messages, taking the segments in turn like the all_reduce."""
+    """A 2-rank reduce_scatter, all_gather, all_to_all, broadcast or reduce of
+    blocks in DIRECT_CMA_BLOCK_BYTES on a pair that reads across processes: each
+    rank reads the block it needs from its peer's input straight into its output
+    (cma_steps.py; a reduction reduces it there with its own operand in rank
+    order; a broadcast's or reduce's one reader reads the whole buffer), behind
+    the direct path's fingerprint messages, taking the segments in turn like the
+    all_reduce."""
 
     def __init__(self, engine, seq, send: np.ndarray, out: np.ndarray, op: str, world: int,
                  fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,
-                 name: str = "reduce_scatter"):
+                 name: str = "reduce_scatter", root: int = 0):
+        self.root = root
         super().__init__(engine, seq, send, out, op, world, fingerprint, finalize, name)
-        if name != "all_gather":  # the peer reads the block it owns (or is sent), half the input
-            self.bytes_per_plane[UP] -= send.nbytes // 2
+        self.bytes_per_plane[UP] = _read_by_peer(name, send, engine.rank, root)
 
     def _start_steps(self) -> bool:
         if self.engine.shm_holder is not None:
@@ -611,6 +614,19 @@ class DirectBroadcastOp(_RootedDirectOp):
     def _combine(self) -> None:
         if self.engine.rank != self.root and self.root not in self._landed:
             self.out[...] = self._got[self.root]
+
+
+def _read_by_peer(collective: str, send: np.ndarray, rank: int, root: int) -> int:
+    """The bytes a 2-rank DirectShmBlocksOp's peer reads from this rank (what it
+    reports as sent on 'up'): the block the peer owns or is sent, half the input;
+    all of it for an all_gather, a broadcast's root and a reduce's other rank."""
+    if collective in ("reduce_scatter", "all_to_all"):
+        return send.nbytes // 2
+    if collective == "broadcast":
+        return send.nbytes if rank == root else 0
+    if collective == "reduce":
+        return send.nbytes if rank != root else 0
+    return send.nbytes  # all_gather
 
 
 def _block(send: np.ndarray, rank: int, world: int) -> np.ndarray:

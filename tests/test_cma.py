@@ -1,7 +1,8 @@
 """Cross-memory reads between the two ranks of a pair: the transport
 (transports/cma.py), the steps (cma_steps.py), and the direct path's 2-rank
 all_reduce (DirectShmAllReduceOp above DIRECT_CMA_FROM_BYTES), reduce_scatter,
-all_gather and all_to_all (DirectShmBlocksOp) that read their blocks so.
+all_gather, all_to_all, broadcast and reduce (DirectShmBlocksOp) that read
+their blocks so.
 
 The steps run first with both ranks in this one process: two segments mapped
 into each other (as test_shm does) and the "peer" pid this process's own, so
@@ -41,15 +42,16 @@ def _error(message, step):
     return TransportError(message, rank=0, plane="up", peer=1, op="test", stage=step)
 
 
-def _steps(pair, rank, collective, src, out, seq, op="sum"):
-    return cma_steps.CmaSteps(pair, seq, rank, collective, src, out, op, lambda n: np.empty(n, np.uint8), _error)
+def _steps(pair, rank, collective, src, out, seq, op="sum", root=0):
+    return cma_steps.CmaSteps(pair, seq, rank, collective, src, out, op, lambda n: np.empty(n, np.uint8), _error,
+                              root)
 
 
-def _run_both(collective, srcs, outs, seq=1, op="sum", first=0):
+def _run_both(collective, srcs, outs, seq=1, op="sum", first=0, root=0):
     """Both ranks' steps to the end, taking turns from rank ``first``."""
     pairs = _pairs()
     order = (first, 1 - first)
-    steps = {r: _steps(pairs[r], r, collective, srcs[r], outs[r], seq, op) for r in order}
+    steps = {r: _steps(pairs[r], r, collective, srcs[r], outs[r], seq, op, root) for r in order}
     for _ in range(10):
         for r in order:
             steps[r].advance()
@@ -116,6 +118,28 @@ def test_all_to_all_exchanges_the_blocks(m):
     for r in range(2):  # block i of rank r's output: block r of rank i's input
         expected = np.concatenate([srcs[0][r * m:(r + 1) * m], srcs[1][r * m:(r + 1) * m]])
         assert outs[r].tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("root", [0, 1])
+@pytest.mark.parametrize("first", [0, 1])
+def test_broadcast_reads_the_roots_buffer(root, first):
+    bufs = [np.arange(5003, dtype=np.float64) * (r + 2) for r in range(2)]
+    expected = bufs[root].copy()
+    _run_both("broadcast", bufs, bufs, root=root, first=first)
+    assert all(b.tobytes() == expected.tobytes() for b in bufs)
+
+
+@pytest.mark.parametrize("root", [0, 1])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_reduce_reads_into_the_root_in_rank_order(root, in_place):
+    ins = _operands(4099)
+    expected = ins[0] + ins[1]  # rank 0's operand on the left
+    srcs = [x.copy() for x in ins]
+    outs = [(srcs[r] if in_place else np.full(4099, np.nan, np.float32)) if r == root else np.empty(0, np.float32)
+            for r in range(2)]
+    _run_both("reduce", srcs, outs, root=root)
+    assert outs[root].tobytes() == expected.tobytes()
+    assert srcs[1 - root].tobytes() == ins[1 - root].tobytes()  # the other rank's input is only read
 
 
 def test_a_stale_slot_does_not_count():
@@ -302,6 +326,34 @@ def all_to_all_blocks(comm, policy):
     return out
 
 
+def rooted_calls(comm, policy):
+    """broadcast and reduce of 1-8 MiB from either root, odd counts, several dtypes and ops,
+    reduce in and out of place: (collective, executor, exact)."""
+    comm.set_path_policy(policy)
+    out = []
+    cases = ((MIB, "float32", "sum", False), (MIB + 2, "float16", "max", True), (3 * MIB + 8, "int64", "prod", False),
+             (8 * MIB, "float64", "avg", True))
+    for k, (nbytes, dtype, op, in_place) in enumerate(cases):
+        root = k % 2
+        n = nbytes // dtype_of(dtype).itemsize
+        buf = inputs(comm.rank, n, dtype)
+        comm.broadcast(buf, root=root)
+        out.append(("broadcast", comm.last_stats()["algorithm"], buf.tobytes() == inputs(root, n, dtype).tobytes()))
+        x = inputs(comm.rank, n, dtype)
+        got = x if in_place or comm.rank != root else np.full_like(x, 7)
+        comm.reduce(x, None if in_place or comm.rank != root else got, op=op, root=root)
+        exact = got.tobytes() == reference(n, dtype, op).tobytes() if comm.rank == root else \
+            x.tobytes() == inputs(comm.rank, n, dtype).tobytes()
+        out.append(("reduce", comm.last_stats()["algorithm"], exact))
+    return out
+
+
+@pytest.mark.parametrize("policy", ["up", "adaptive"])
+def test_broadcast_and_reduce_read_their_buffers_exactly(pool, policy):
+    for per_rank in pool.run(rooted_calls, policy):
+        assert per_rank == [(c, "direct_shm", True) for c in ("broadcast", "reduce")] * 4, per_rank
+
+
 @pytest.mark.parametrize("policy", ["up", "adaptive"])
 def test_all_to_all_reads_its_blocks_exactly(pool, policy):
     for per_rank in pool.run(all_to_all_blocks, policy):
@@ -318,17 +370,23 @@ def async_in_flight(comm):
     works.append(comm.reduce_scatter(np.full(MIB, float(comm.rank + 1), np.float32), scattered, async_op=True))
     works += [comm.all_reduce(x, async_op=True) for x in xs[2:]]
     works.append(comm.all_gather(np.full(MIB // 4, float(comm.rank), np.float32), gathered, async_op=True))
+    bcast = np.full(MIB // 2, float(comm.rank + 5), np.float32)
+    works.append(comm.broadcast(bcast, root=1, async_op=True))
+    reduced = np.full(MIB // 2, float(comm.rank + 1), np.float32)
+    works.append(comm.reduce(reduced, root=0, async_op=True))
     for w in reversed(works):
         w.wait()
     exact = (all(np.array_equal(x, np.full_like(x, 1.0 + 2 * i)) for i, x in enumerate(xs))
              and np.array_equal(scattered, np.full_like(scattered, 3.0))
-             and np.array_equal(gathered, np.repeat(np.array([0.0, 1.0], np.float32), MIB // 4)))
+             and np.array_equal(gathered, np.repeat(np.array([0.0, 1.0], np.float32), MIB // 4))
+             and np.array_equal(bcast, np.full_like(bcast, 6.0))
+             and np.array_equal(reduced, np.full_like(reduced, 3.0 if comm.rank == 0 else 2.0)))
     return [w.stats()["algorithm"] for w in works], exact
 
 
 def test_direct_reads_in_flight_together_complete_exactly(pool):
     for algorithms, exact in pool.run(async_in_flight):
-        assert algorithms == ["direct_shm"] * 6 and exact
+        assert algorithms == ["direct_shm"] * 8 and exact
 
 
 def pair_state(comm):

@@ -70,6 +70,13 @@ def mismatched(comm, kind):
                 comm.all_to_all(np.ones(1 << 20, np.float32), np.empty(1 << 20, np.float32))
             else:
                 comm.all_gather(np.ones(1 << 19, np.float32), np.empty(1 << 20, np.float32))
+        elif kind == "cma_bcast_root":  # 4 MiB broadcasts from different roots: the shapes name the root
+            comm.broadcast(np.ones(1 << 20, np.float32), root=r)
+        elif kind == "cma_reduce_vs_bcast":  # 4 MiB each, rooted at 0, both read across processes
+            if r == 0:
+                comm.reduce(np.ones(1 << 20, np.float32), root=0)
+            else:
+                comm.broadcast(np.ones(1 << 20, np.float32), root=0)
         elif kind == "cma_vs_dag":  # 4 MiB direct against 32 MiB on the DAG
             comm.all_reduce(np.ones((1 << 20) if r == 0 else (8 << 20), np.float32))
         elif kind == "op_after_warm":  # pooled buffers sent 'sum' fingerprints many times before
@@ -107,7 +114,7 @@ def _run_timed(fn, *args):
                                   "two_step_size", "op_after_warm", "halves_size", "halves_vs_full",
                                   "medium_size_out", "halves_size_out", "shm_vs_two_step", "shm_vs_gather",
                                   "cma_size", "cma_dtype", "cma_all_reduce_vs_rs", "cma_vs_dag", "cma_gather_size",
-                                  "cma_a2a_vs_gather"])
+                                  "cma_a2a_vs_gather", "cma_bcast_root", "cma_reduce_vs_bcast"])
 def test_mismatched_calls_raise_on_every_rank(kind):
     results, elapsed = _run_timed(mismatched, kind)
     for rank, result in enumerate(results):
