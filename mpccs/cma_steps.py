@@ -145,7 +145,7 @@ class CmaSteps:
 
     def _first_step(self, peer_src: int, peer_out: int) -> None:
         self.peer_out = peer_out
-        if self.reduces:  # (a reduce's root)
+        if self.reduces:  # all_reduce, reduce_scatter, a reduce's root
             incoming = self.mine_out  # out of place: reduce over the operand read into the output
             if np.may_share_memory(self.mine_in, self.mine_out):
                 incoming = self.scratch(self.mine_in.nbytes).view(self.mine_in.dtype)
