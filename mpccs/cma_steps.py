@@ -61,6 +61,10 @@ from .transports import cma
 from .transports.shm import SLOT_DONE, SLOT_OUT, SLOT_POSTED, SLOT_REDUCED, SLOT_SHAPE, SLOT_SRC, SLOTS
 from .two_step import STEPS, _geometry, _split_at, halves
 
+# An in-place block is read through a buffer the engine keeps, at most this much
+# at a time (each part read, checked and reduced before the next), so that
+# memory stays bounded whatever the call's size.
+SCRATCH_BYTES = 8 << 20
 SHAPE_CODES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "all_to_all": 4, "broadcast": 5, "reduce": 6}
 # What each phase waits for: the peer's flags.
 PEER_POSTED, PEER_REDUCED, PEER_DONE, FINISHED = range(4)
@@ -146,18 +150,34 @@ class CmaSteps:
     def _first_step(self, peer_src: int, peer_out: int) -> None:
         self.peer_out = peer_out
         if self.reduces:  # all_reduce, reduce_scatter, a reduce's root
-            incoming = self.mine_out  # out of place: reduce over the operand read into the output
             if np.may_share_memory(self.mine_in, self.mine_out):
-                incoming = self.scratch(self.mine_in.nbytes).view(self.mine_in.dtype)
-            self._read(incoming, peer_src + self.src_offset, SLOT_POSTED)
-            left, right = (self.mine_in, incoming) if self.rank == 0 else (incoming, self.mine_in)
-            reduce_to(self.mine_out, left, right, self.op)
+                self._read_and_reduce_in_place(peer_src + self.src_offset)
+            else:  # reduce over the operand read into the output
+                self._read(self.mine_out, peer_src + self.src_offset, SLOT_POSTED)
+                self._reduce(self.mine_out, self.mine_in, self.mine_out)
         else:  # all_gather, all_to_all, broadcast: the peer's block into its place, this rank's into its own
             self._read(self.theirs_out, peer_src + self.src_offset, SLOT_POSTED)
             if self.mine_out.ctypes.data != self.mine_in.ctypes.data:  # not in place
                 self.mine_out[...] = self.mine_in
         self.pair.post_slot(self.slot, SLOT_REDUCED, self.seq)
         self.phase = PEER_REDUCED
+
+    def _read_and_reduce_in_place(self, address: int) -> None:
+        """The peer's operand through the kept buffer, SCRATCH_BYTES at a time, each
+        part reduced into this rank's own (which is its output) before the next."""
+        mine, itemsize = self.mine_in, self.mine_in.itemsize
+        step = max(1, SCRATCH_BYTES // itemsize)
+        scratch = self.scratch(min(mine.nbytes, step * itemsize)).view(mine.dtype)
+        for lo in range(0, mine.size, step):
+            part = mine[lo:lo + step]
+            incoming = scratch[:part.size]
+            self._read(incoming, address + lo * itemsize, SLOT_POSTED)
+            self._reduce(part, part, incoming)
+
+    def _reduce(self, out: np.ndarray, own: np.ndarray, incoming: np.ndarray) -> None:
+        """out = in_0 op in_1: rank 0's operand on the left, as on every path."""
+        left, right = (own, incoming) if self.rank == 0 else (incoming, own)
+        reduce_to(out, left, right, self.op)
 
     def _read(self, dst: np.ndarray, address: int, word: int) -> None:
         """One cross-memory read from the peer; then check that the peer still

@@ -46,15 +46,17 @@ DIRECT_SHM_MIN_BYTES = 384 << 10
 # 2 MiB, 675-694 at 4; by reads 353-361 / 586-624, 1062-1090 at 8 MiB, 1958-2050
 # at 16; as UCX blocks (DirectBlocksAllReduceOp) 367-383 / 629-645 / 1069-1116 /
 # 2036-2086; the two-step executor it replaces 417-435 / 639-677 / 1121-1160 /
-# 2052-2109.
+# 2052-2109. Above, against the DAG's ring: 5.3-5.8 ms against 12.8-13.5 at 32 MiB,
+# 12.5-13.2 / 22.4-24.1 at 64, 31 / 44-70 at 128, 62 / 88-91 at 256 (the bound:
+# the largest size measured).
 DIRECT_CMA_FROM_BYTES = 2 << 20
-DIRECT_CMA_MAX_BYTES = 16 << 20
+DIRECT_CMA_MAX_BYTES = 256 << 20
 # A 2-rank reduce_scatter, all_gather or all_to_all with blocks in this range,
 # or broadcast or reduce of a buffer in it, takes the direct path on such a pair
 # too, each rank reading the block it needs straight into its output
 # (DirectShmBlocksOp): from where the direct path's messages stop (blocks under
 # 1 MiB, comm._direct_medium) to the two-step executor's bound.
-DIRECT_CMA_BLOCK_BYTES = (1 << 20, 8 << 20)
+DIRECT_CMA_BLOCK_BYTES = (1 << 20, 128 << 20)
 DIRECT_POOL_PER_SIZE = 4  # reusable DirectBuffers kept per size (operations in flight at once)
 DIRECT_POOL_SIZES = 32  # sizes kept
 DIRECT_POOL_BYTES = 32 << 20  # and at most this much memory in them (medium buffers are up to ~2 MiB)

@@ -18,7 +18,7 @@ import pytest
 import mpccs
 from collective_cases import dtype_of
 from mpccs import cma_steps
-from mpccs.direct_ops import DIRECT_CMA_FROM_BYTES, DIRECT_CMA_MAX_BYTES
+from mpccs.direct_ops import DIRECT_CMA_FROM_BYTES
 from mpccs.errors import TransportError
 from mpccs.transports import cma, shm
 from mpccs.transports.shm import HEADER_BYTES, OUTBOX_BYTES, SLOT_POSTED, SLOT_SHAPE, SLOTS, ShmPair
@@ -142,6 +142,26 @@ def test_reduce_reads_into_the_root_in_rank_order(root, in_place):
     assert srcs[1 - root].tobytes() == ins[1 - root].tobytes()  # the other rank's input is only read
 
 
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "reduce"])
+def test_in_place_reads_go_through_the_kept_buffer_in_parts(monkeypatch, collective):
+    """An in-place block larger than SCRATCH_BYTES (lowered to 4 KiB here) is read and
+    reduced part by part: the same bits as whole."""
+    monkeypatch.setattr(cma_steps, "SCRATCH_BYTES", 4096)
+    n = 10_001  # float32: 40 KiB, ten parts of 1024 elements and a short one
+    ins = _operands(2 * n)
+    whole = ins[0] + ins[1]
+    srcs = [x.copy() for x in ins]
+    if collective == "all_reduce":
+        outs, expected = srcs, [whole, whole]
+    elif collective == "reduce_scatter":
+        outs, expected = [srcs[r][r * n:(r + 1) * n] for r in range(2)], [whole[:n], whole[n:]]
+    else:  # reduce to rank 1, in place
+        outs, expected = [np.empty(0, np.float32), srcs[1]], [np.empty(0, np.float32), whole]
+    _run_both(collective, srcs, outs, root=1)
+    for r in range(2):
+        assert outs[r].tobytes() == expected[r].tobytes()
+
+
 def test_a_stale_slot_does_not_count():
     """seq and seq + SLOTS share a slot: the peer's older operation there is not this one."""
     pairs = _pairs()
@@ -255,7 +275,7 @@ CALLS = [
     (4 * MIB, "bfloat16", "sum", False),
     (5 * MIB + 8, "int64", "prod", True),
     (8 * MIB, "float64", "avg", False),
-    (DIRECT_CMA_MAX_BYTES, "float32", "min", True),
+    (20 * MIB, "float32", "min", True),  # in place, halves over the kept buffer: read in two parts
 ]
 
 
@@ -280,19 +300,30 @@ def test_direct_all_reduce_reads_its_halves_bit_exactly(pool, policy):
 
 
 def beyond_and_besides(comm):
-    """Where the direct reads do not apply: over the bound, a fixed split, another collective."""
+    """Where the direct reads do not apply: over the bounds (lowered here to 16 MiB
+    and 8 MiB blocks, not to move 256 MiB), a fixed split, an algorithm asked for,
+    blocks under 1 MiB."""
+    import mpccs.comm as comm_module
+
     seen = {}
-    comm.set_path_policy("adaptive")
-    comm.all_reduce(np.ones(DIRECT_CMA_MAX_BYTES // 4 + 1024, np.float32))
-    seen["over the bound"] = comm.last_stats()["algorithm"]
+    saved = comm_module.DIRECT_CMA_MAX_BYTES, comm_module.DIRECT_CMA_BLOCK_BYTES
+    comm_module.DIRECT_CMA_MAX_BYTES, comm_module.DIRECT_CMA_BLOCK_BYTES = 16 * MIB, (MIB, 8 * MIB)
+    try:
+        comm.set_path_policy("adaptive")
+        comm.all_reduce(np.ones(4 * MIB + 1024, np.float32))
+        seen["over the bound"] = comm.last_stats()["algorithm"]
+        comm.set_path_policy("up")
+        comm.all_gather(np.ones(3 * MIB, np.float32), np.empty(6 * MIB, np.float32))  # 12 MiB blocks
+        seen["all_gather over the bound"] = comm.last_stats()["algorithm"]
+    finally:
+        comm_module.DIRECT_CMA_MAX_BYTES, comm_module.DIRECT_CMA_BLOCK_BYTES = saved
+        comm.set_path_policy("adaptive")  # (drops the kept path answers)
     comm.set_path_policy(0.8)
     comm.all_reduce(np.ones(MIB, np.float32))
     seen["fixed split"] = comm.last_stats()["algorithm"]
     comm.set_path_policy("up")
     comm.all_reduce(np.ones(MIB, np.float32), algorithm="ring")
     seen["algorithm asked"] = comm.last_stats()["algorithm"]
-    comm.all_gather(np.ones(3 * MIB, np.float32), np.empty(6 * MIB, np.float32))  # 12 MiB blocks
-    seen["all_gather over the bound"] = comm.last_stats()["algorithm"]
     comm.reduce_scatter(np.ones(MIB // 4, np.float32), np.empty(MIB // 8, np.float32))  # 512 KiB blocks
     seen["reduce_scatter under the bound"] = comm.last_stats()["algorithm"]
     return seen
