@@ -5,7 +5,8 @@ pair without the reads (2 ranks, one host).
 
 Float32, out of place, policy 'adaptive' as shipped, default planes, at the
 sizes where the reads apply: all_reduce from 2 MiB to the direct path's bound
-on such a pair (direct_ops.DIRECT_CMA_MAX_BYTES), reduce_scatter, all_gather
+on such a pair (direct_ops.DIRECT_CMA_MAX_BYTES, 256 MiB; above 16 MiB the
+reads replace the DAG's ring), reduce_scatter, all_gather
 and all_to_all blocks of 1-8 MiB, broadcast and reduce (root 0) of 1-8 MiB
 (DIRECT_CMA_BLOCK_BYTES). Each iteration times a
 block of back-to-back operations three ways, interleaved: without the reads
@@ -33,7 +34,7 @@ from stats import (ab_cells, ab_meta, ab_parser, ab_report_head, interleaved_mod
 
 MIB = 1 << 20
 # nccl-tests' sizes: the whole buffer (all_gather: the output; the others: the input)
-SIZES = {"all_reduce": tuple(k * MIB for k in (2, 3, 4, 6, 8, 12, 16)),
+SIZES = {"all_reduce": tuple(k * MIB for k in (2, 3, 4, 6, 8, 12, 16, 32, 64, 128, 256)),
          "reduce_scatter": tuple(k * MIB for k in (2, 4, 8, 16)),
          "all_gather": tuple(k * MIB for k in (2, 4, 8, 16)),
          "all_to_all": tuple(k * MIB for k in (2, 4, 8, 16)),
@@ -91,13 +92,14 @@ def report_lines(collective: str, rows: list[dict], meta: dict) -> list[str]:
 def main() -> None:
     parser = ab_parser(__doc__, block=5)
     parser.add_argument("--collective", choices=sorted(SIZES), default="all_reduce")
+    parser.add_argument("--max", type=int, default=1 << 62, help="largest size, bytes")
     args = parser.parse_args()
     comm = mpccs.init()
     pair = comm._engine.shm
     if comm.size != 2 or pair is None or not pair.cma:
         raise SystemExit("needs 2 ranks on one host with the segments open and cross-memory reads allowed")
     rows = []
-    sizes = SIZES[args.collective]
+    sizes = [n for n in SIZES[args.collective] if n <= args.max]
     for k, nbytes in enumerate(sizes):
         rows.append(measure(comm, pair, args.collective, nbytes, args.iters, args.block, args.warmup))
         if comm.rank == 0:
