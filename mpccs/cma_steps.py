@@ -8,7 +8,7 @@ those requests costs Python and UCX time per call. Here a block is one
 process_vm_readv (the same single copy UCX's cma transport makes) and a flag.
 The direct path's 2-rank all_reduce above the outboxes' size (where their
 extra local copies lost: direct_ops.DirectShmAllReduceOp) and its
-reduce_scatter, all_gather, all_to_all, broadcast and reduce of 1-8 MiB blocks
+reduce_scatter, all_gather, all_to_all, broadcast and reduce of 1-128 MiB blocks
 (DirectShmBlocksOp) run so.
 
 The blocks are those of two_step._geometry (all_to_all: _blocks): this rank's

@@ -53,8 +53,8 @@ def render(info: dict) -> str:
         + ("none" if info["qos"]["out_cap_rate_Bps"] is None else f"{info['qos']['out_cap_rate_Bps'] * 8 / 1e6:g} Mbit/s (paced)"),
         "# shared-memory segments: " + ("open (2-rank medium all_reduce)" if info["shm_segments"] else
                                         "closed (not 2 ranks on one host with a shared-memory 'up', or MPCCS_SHM=0)"),
-        "# cross-memory reads: " + ("on (2-rank all_reduce to 16 MiB; reduce_scatter, all_gather, all_to_all blocks, broadcast, reduce "
-                                    "of 1-8 MiB)"
+        "# cross-memory reads: " + ("on (2-rank all_reduce to 256 MiB; reduce_scatter, all_gather, all_to_all "
+                                    "blocks, broadcast, reduce of 1-128 MiB)"
                                     if info["cma_reads"] else
                                     "off (no segments, MPCCS_CMA=0, or the kernel refused a cross-memory read)"),
         "# device arrays: " + ("GPU-direct (the planes read device memory: cuda_ipc / cuda_copy)" if info["gpu_direct"]
