@@ -445,11 +445,15 @@ class DirectShmAllReduceOp(DirectAllReduceOp):
         if self.engine.shm_holder is not None:
             return False
         self.engine.shm_holder = self
-        if self._pair.cma and self.mine.nbytes > DIRECT_CMA_FROM_BYTES:
+        if self._reads():
             self._steps = self._read_steps()
         else:
             self._steps = ShmSteps(self._pair, self.seq, self.engine.rank, self.mine, self.out, self.op)
         return True
+
+    def _reads(self) -> bool:
+        """Read the halves across processes (else through the outboxes)."""
+        return self._pair.cma and self.mine.nbytes > DIRECT_CMA_FROM_BYTES
 
     def _read_steps(self) -> CmaSteps:
         engine = self.engine
@@ -525,12 +529,8 @@ class DirectShmBlocksOp(DirectShmAllReduceOp):
         super().__init__(engine, seq, send, out, op, world, fingerprint, finalize, name)
         self.bytes_per_plane[UP] = _read_by_peer(name, send, engine.rank, root)
 
-    def _start_steps(self) -> bool:
-        if self.engine.shm_holder is not None:
-            return False
-        self.engine.shm_holder = self
-        self._steps = self._read_steps()
-        return True
+    def _reads(self) -> bool:
+        return True  # chosen only where the pair reads (comm._direct_by_cma)
 
 
 class DirectReduceScatterOp(DirectAllReduceOp):

@@ -329,7 +329,7 @@ def beyond_and_besides(comm):
     return seen
 
 
-def test_direct_reads_only_for_2_rank_all_reduce_within_the_bound_on_up(pool):
+def test_direct_reads_only_within_their_bounds_and_where_nothing_else_is_asked(pool):
     for seen in pool.run(beyond_and_besides):
         assert "direct_shm" not in seen.values(), seen
         assert seen["algorithm asked"] == "ring"

@@ -20,9 +20,8 @@ segments are opened on x86-64 only; the one exception to that order, the
 non-temporal stores a large memcpy may use, cannot pass a locked
 instruction, which post() executes (an uncontended lock) before the flag.
 
-The header also holds this rank's process id and, for the two-step
-executor's and the direct all_reduce's cross-memory reads (cma_steps.py), a table of SLOTS slots of
-SLOT_WORDS words: the addresses of one operation's buffers and the sequence
+The header also holds this rank's process id and, for the direct path's
+cross-memory reads (cma_steps.py), a table of SLOTS slots of SLOT_WORDS words: the addresses of one operation's buffers and the sequence
 numbers of the steps it reached (slot seq % SLOTS; a stale slot holds
 another sequence number, so a waiter tests ``==``).
 
@@ -87,15 +86,17 @@ class ShmPair:
 
     def post(self, flag: int, seq: int) -> None:
         """Publish ``seq`` in one of this rank's flags, after every store before it (module docstring)."""
-        with self._fence:  # acquiring and releasing an uncontended lock: locked instructions
-            pass
+        self._fence_stores()
         self.own_flags[flag] = seq
 
     def post_slot(self, slot: int, word: int, seq: int) -> None:
         """Publish ``seq`` in a word of one of this rank's slots, after every store before it."""
-        with self._fence:
-            pass
+        self._fence_stores()
         self.own_slots[slot, word] = seq
+
+    def _fence_stores(self) -> None:
+        with self._fence:  # acquiring and releasing an uncontended lock: locked instructions
+            pass
 
     def peer_reached(self, flag: int, seq: int) -> bool:
         return int(self.peer_flags[flag]) >= seq
