@@ -787,6 +787,11 @@ class CollectiveOp(Operation):
             self.finalize()
         self._finish()
 
+    def _let_go_of_arrays(self) -> None:
+        self.buffers, self.finalize, self.deferred = {}, None, None
+        if self.two_step is not None:
+            self.two_step.let_go_of_arrays()
+
     def describe_stall(self) -> dict:
         if self.two_step is not None:
             return self.two_step.describe_stall()

@@ -256,6 +256,10 @@ class DirectAllReduceOp(Operation):
             self.finalize()
         self._finish()
 
+    def _let_go_of_arrays(self) -> None:
+        self.mine = self.out = self.finalize = None
+        self._landed, self._data_recvs, self._sends = {}, {}, []
+
     def _check_arrival(self, req, peer: int, plane, stage=None) -> None:
         """A completed receive's error, as a TransportError naming the plane and the peer."""
         try:
@@ -495,6 +499,10 @@ class DirectShmAllReduceOp(DirectAllReduceOp):
         then a plane event wakes this rank, and a peer that comes late (uneven
         work between collectives) costs no spinning."""
         return not self._recvs
+
+    def _let_go_of_arrays(self) -> None:
+        super()._let_go_of_arrays()
+        self._steps = None
 
     def _release(self) -> None:
         if self.engine.shm_holder is self:

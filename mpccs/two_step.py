@@ -188,6 +188,11 @@ class TwoStepExecutor:
             self.op.engine.forget_kept_scratch("two_step")  # UCX may still write there: the next call gets its own
         return pending
 
+    def let_go_of_arrays(self) -> None:
+        """(The operation succeeded: Operation._let_go_of_arrays) its views and requests."""
+        self.mine_in = self.mine_out = self.theirs_in = self.theirs_out = self.incoming = None
+        self.recv_rs = self.send_rs = self.recv_ag = self.send_ag = None
+
     def _step_name(self) -> str:
         return self.steps[min(self.step, len(self.steps) - 1)]
 
