@@ -7,7 +7,9 @@
 # in GPU memory on both paths (and host buffers with and without the cuda
 # transports, for what those cost host arrays). Logs go to $OUT (default
 # ./gpu-check-out), at most 8 files. QUICK=1: the tests, the 2-rank check and the
-# all_reduce timings only, for a rerun after a fix. Wheels for ucxx and its libraries, when
+# all_reduce timings only, for a rerun after a fix; HOST=1 adds host arrays on
+# the machine's cores (tests/test_cma.py, all_reduce against gloo, 8 B latency,
+# bench/cma_ab.py). Wheels for ucxx and its libraries, when
 # the machine lacks them, are taken from .whl/ if present.
 set -u
 OUT=${OUT:-$PWD/gpu-check-out}
@@ -41,6 +43,87 @@ step() {  # step NAME LOGFILE TIMEOUT COMMAND...: run, append to the log, rememb
 } 2>&1 | tee "$OUT/env.txt"
 step "mpccs-info, GPU-direct" env.txt 60 python3 -m mpccs -n 2 python3 -m mpccs.info
 step "mpccs-info, mirrors" env.txt 60 env MPCCS_GPU_DIRECT=0 python3 -m mpccs -n 2 python3 -m mpccs.info
+host_steps() {  # HOST=1: host arrays on this machine's cores (cross-memory reads, peers), for the CPU-only paths
+    export MPCCS_GPU_DIRECT=0
+    step "tests/test_cma.py" host.txt 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cma.py
+    local perf="python3 -m mpccs.perf all_reduce -b 1M -e 64M -f 2 -n 20 -w 5 --settle 40 --quiet"
+    for k in 1 2; do  # mpccs and gloo alternately, same sizes and timing method
+        step "perf all_reduce host memory, adaptive, round $k" host.txt 90 python3 -m mpccs -n 2 $perf
+        step "gloo all_reduce, round $k" host.txt 90 python3 -m mpccs -n 2 python3 bench/peers.py gloo \
+            -b 1M -e 64M -f 2 -n 20 -w 5
+    done
+    step "perf all_reduce 8 B latency" host.txt 60 python3 -m mpccs -n 2 python3 -m mpccs.perf all_reduce \
+        -b 8 -e 8 -n 2000 -w 100 --quiet --policies up,adaptive
+    step "cma_ab all_reduce" host.txt 150 python3 -m mpccs -n 2 --no-prefix python3 bench/cma_ab.py --out "$OUT/cma"
+    unset MPCCS_GPU_DIRECT
+}
+mirror_steps() {  # ONLY=mirror_steps: device arrays on pinned mirrors with and without the reads, and the reads alone
+    export MPCCS_GPU_DIRECT=0
+    local perf="python3 -m mpccs.perf all_reduce -b 4M -e 64M -f 4 -n 10 -w 3 --quiet"
+    for cma in 1 0 1 0; do
+        step "perf all_reduce device memory, mirrors, MPCCS_CMA=$cma" mirrors.txt 60 env MPCCS_CMA=$cma \
+            python3 -m mpccs -n 2 $perf --memory device --policies up
+    done
+    for cma in 1 0; do
+        step "perf all_reduce host memory in place, MPCCS_CMA=$cma" mirrors.txt 60 env MPCCS_CMA=$cma \
+            python3 -m mpccs -n 2 $perf --in-place --policies up
+    done
+    step "bench/cma_pinned.py" mirrors.txt 120 python3 bench/cma_pinned.py
+    unset MPCCS_GPU_DIRECT
+}
+confirm_steps() {  # ONLY=confirm_steps: device arrays at 64 KiB-64 MiB on each path, and the device tests
+    step "tests/test_gpu.py" pytest.txt 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py
+    local perf="python3 -m mpccs.perf all_reduce -b 64K -e 64M -f 4 -n 10 -w 3 --quiet --memory device --policies up"
+    step "perf all_reduce device memory, GPU-direct from 2 MiB" perf.txt 90 python3 -m mpccs -n 2 $perf
+    for cma in 1 0; do
+        step "perf all_reduce device memory, mirrors, MPCCS_CMA=$cma" perf.txt 90 env MPCCS_GPU_DIRECT=0 \
+            MPCCS_CMA=$cma python3 -m mpccs -n 2 $perf
+    done
+}
+bound_steps() {  # ONLY=bound_steps: GPU-direct against the pinned mirrors at 2-32 MiB, alternating (comm.GPU_DIRECT_MIN_BYTES)
+    local perf="python3 -m mpccs.perf all_reduce -b 2M -e 32M -f 2 -n 20 -w 3 --quiet --memory device --policies up"
+    for k in 1 2; do
+        step "perf all_reduce device memory, GPU-direct, round $k" bound.txt 90 python3 -m mpccs -n 2 $perf
+        step "perf all_reduce device memory, mirrors, round $k" bound.txt 90 env MPCCS_GPU_DIRECT=0 \
+            python3 -m mpccs -n 2 $perf
+    done
+    step "perf reduce_scatter device memory, GPU-direct" bound.txt 90 python3 -m mpccs -n 2 ${perf/all_reduce/reduce_scatter}
+    step "perf reduce_scatter device memory, mirrors" bound.txt 90 env MPCCS_GPU_DIRECT=0 \
+        python3 -m mpccs -n 2 ${perf/all_reduce/reduce_scatter}
+    step "perf all_gather device memory, GPU-direct" bound.txt 90 python3 -m mpccs -n 2 ${perf/all_reduce/all_gather}
+    step "perf all_gather device memory, mirrors" bound.txt 90 env MPCCS_GPU_DIRECT=0 \
+        python3 -m mpccs -n 2 ${perf/all_reduce/all_gather}
+}
+profile_steps() {  # ONLY=profile_steps: where a 64 MiB all_reduce on pinned mirrors spends its time, reads on and off
+    export MPCCS_GPU_DIRECT=0
+    local args="all_reduce -b 64M -e 64M -n 10 -w 3 --quiet --memory device --policies up"
+    for cma in 1 0; do
+        step "cProfile rank 0, mirrors, 64 MiB, MPCCS_CMA=$cma" profile.txt 90 env MPCCS_CMA=$cma python3 -m mpccs -n 2 \
+            sh -c "if [ \$RANK = 0 ]; then exec python3 -m cProfile -o /tmp/prof$cma -m mpccs.perf $args; \
+                   else exec python3 -m mpccs.perf $args; fi"
+        python3 -c "import pstats; pstats.Stats('/tmp/prof$cma').sort_stats('tottime').print_stats(16)" \
+            2>&1 | grep -E "^ +[0-9]|ncalls|function calls" | tee -a "$OUT/profile.txt"
+    done
+    step "pinned allocations and copies" profile.txt 60 python3 -c "
+import cupy, time
+for n in (4 << 20, 64 << 20):
+    t = time.perf_counter(); m = cupy.cuda.alloc_pinned_memory(n); fresh = time.perf_counter() - t
+    del m
+    t = time.perf_counter(); m = cupy.cuda.alloc_pinned_memory(n); pooled = time.perf_counter() - t
+    t = time.perf_counter(); m2 = cupy.cuda.alloc_pinned_memory(n); held = time.perf_counter() - t
+    import numpy as np
+    h = np.frombuffer(m, np.uint8, n); d = cupy.ones(n, cupy.uint8); d.get(out=h)
+    t = time.perf_counter(); d.get(out=h); d2h = time.perf_counter() - t
+    t = time.perf_counter(); d.set(h); cupy.cuda.get_current_stream().synchronize(); h2d = time.perf_counter() - t
+    print(f'{n >> 20} MiB: fresh {fresh*1e3:.2f} ms, pooled {pooled*1e3:.3f} ms, another while one held {held*1e3:.2f} ms, d2h {d2h*1e3:.2f} ms, h2d {h2d*1e3:.2f} ms')
+"
+    unset MPCCS_GPU_DIRECT
+}
+if [ -n "${ONLY:-}" ]; then  # one named group of steps, e.g. ONLY=mirror_steps
+    "$ONLY"
+    echo "gpu-device-check ($ONLY): status $status" | tee -a "$OUT/env.txt"
+    exit $status
+fi
 if [ "${QUICK:-0}" = 1 ]; then  # a rerun after a fix: the tests, the check table and the all_reduce timings
     step "tests/test_gpu.py" pytest.txt 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py
     step "gpu_check, 2 ranks, cupy + CUDA tensors" gpu_check.txt 150 \
@@ -50,6 +133,7 @@ if [ "${QUICK:-0}" = 1 ]; then  # a rerun after a fix: the tests, the check tabl
         python3 -m mpccs -n 2 $PERF --memory device --policies up,adaptive
     step "perf all_reduce device memory, mirrors" perf.txt 120 env MPCCS_GPU_DIRECT=0 \
         python3 -m mpccs -n 2 $PERF --memory device --policies up
+    [ "${HOST:-0}" = 1 ] && host_steps
     echo "gpu-device-check (quick): status $status" | tee -a "$OUT/env.txt"
     exit $status
 fi
