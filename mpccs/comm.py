@@ -54,10 +54,17 @@ DEVICE_REDUCE_AUTO_MIN_BYTES = 16 << 20
 # bytes); smaller calls take the pinned mirrors. On an H200 (2 ranks, one GPU) a
 # device message on the up plane cost ~175 us one way at 64 KiB (host: ~20), so
 # a GPU-direct all_reduce (two collectives) took ~1.8-2.2 ms from 64 KiB to 1 MiB
-# against 0.25-0.6 on the mirrors, and 2.0-2.4 ms at 4 MiB against 5.6-7.1
-# (bench/results/gpu_direct_h200). all_to_allv, whose buffers differ per rank, is
-# GPU-direct at any size: both ways run the same schedule, so ranks may differ.
+# against 0.23-0.45 on the mirrors (bench/results/gpu_direct_h200, gpu_mirrors_h200).
+# all_to_allv, whose buffers differ per rank, is GPU-direct at any size: both
+# ways run the same schedule, so ranks may differ.
 GPU_DIRECT_MIN_BYTES = 2 << 20
+# all_reduce and reduce_scatter on a 2-rank pair that reads across processes
+# (the mirrors take the direct path's reads: cma_steps.py) take the mirrors to
+# here: on the H200 host, the mirrors against GPU-direct in alternating runs,
+# all_reduce 2.6x at 2 MiB, 1.3-1.5x at 4, 0.8-0.9x at 8; reduce_scatter 1.9x,
+# 1.3x, 0.8x; all_gather 1.35x at 2 MiB but 0.9x at 4, so it keeps the bound
+# above (bench/results/gpu_mirrors_h200).
+GPU_DIRECT_READS_MIN_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -438,13 +445,24 @@ class Communicator:
         mode = self.options.device_reduce
         if mode != "auto":
             return mode == "always"
-        return self._gpu_direct_for(send.nbytes) or (kind != "all_reduce"
-                                                      and send.nbytes >= DEVICE_REDUCE_AUTO_MIN_BYTES)
+        return self._gpu_direct_for(send.nbytes, kind) or (kind != "all_reduce"
+                                                            and send.nbytes >= DEVICE_REDUCE_AUTO_MIN_BYTES)
 
-    def _gpu_direct_for(self, call_bytes: Optional[int]) -> bool:
+    def _gpu_direct_for(self, call_bytes: Optional[int], kind: Optional[str] = None) -> bool:
         """GPU-direct for a call of this size (None: any size)? The same answer on
-        every rank for the same call: GPU-direct is agreed at init."""
-        return self.gpu_direct and (call_bytes is None or call_bytes >= GPU_DIRECT_MIN_BYTES)
+        every rank for the same call: GPU-direct is agreed at init, and whether the
+        pair reads across processes at set-up (_pair_reads)."""
+        if not self.gpu_direct or call_bytes is None:
+            return self.gpu_direct
+        reads = kind in ("all_reduce", "reduce_scatter") and self._pair_reads()
+        return call_bytes >= (GPU_DIRECT_READS_MIN_BYTES if reads else GPU_DIRECT_MIN_BYTES)
+
+    def _pair_reads(self) -> bool:
+        """A 2-rank pair whose host calls under 'up' or 'adaptive' may read across
+        processes: both ranks agreed at set-up (transports/shm.py), so every rank
+        answers alike."""
+        pair = self._engine.shm
+        return pair is not None and pair.cma and self._policy in (UP, "adaptive")
 
     def _moves_on_device(self, device_arrays: dict, any_size: bool = False) -> bool:
         """Whether a data-movement call's device arrays go to the planes as they are
@@ -723,8 +741,7 @@ class Communicator:
         and its planning and probes cost 4-6% of the call (bench/adaptive_cost.py).
         A testbed whose 'up' is a network has no segments, so its calls stay the
         controller's. The same answer on every rank (configuration and call only)."""
-        pair = self._engine.shm
-        if pair is None or not pair.cma or self._policy not in (UP, "adaptive"):
+        if not self._pair_reads():
             return False
         if collective == "all_reduce":
             return DIRECT_SHM_MIN_BYTES <= call_bytes <= DIRECT_CMA_MAX_BYTES

@@ -224,11 +224,13 @@ def test_gpu_direct_carries_calls_from_its_size_bound():
     import types
 
     import numpy as np
-    from mpccs.comm import GPU_DIRECT_MIN_BYTES, Communicator
+    from mpccs.comm import GPU_DIRECT_MIN_BYTES, GPU_DIRECT_READS_MIN_BYTES, Communicator
 
-    def comm(gpu_direct, device_reduce="auto"):
-        c = types.SimpleNamespace(gpu_direct=gpu_direct, options=load_options({}, device_reduce=device_reduce))
-        c._gpu_direct_for = types.MethodType(Communicator._gpu_direct_for, c)
+    def comm(gpu_direct, device_reduce="auto", reads=False, policy="adaptive"):
+        c = types.SimpleNamespace(gpu_direct=gpu_direct, options=load_options({}, device_reduce=device_reduce),
+                                  _engine=types.SimpleNamespace(shm=types.SimpleNamespace(cma=reads)), _policy=policy)
+        for name in ("_gpu_direct_for", "_pair_reads"):
+            setattr(c, name, types.MethodType(getattr(Communicator, name), c))
         return c
 
     on, off = comm(True), comm(False)
@@ -241,6 +243,15 @@ def test_gpu_direct_carries_calls_from_its_size_bound():
     assert reduces(on, "all_reduce", big) and not reduces(on, "all_reduce", small)
     assert not reduces(off, "all_reduce", big) and not reduces(off, "reduce_scatter", big)
     assert not reduces(comm(True, "never"), "all_reduce", big) and reduces(comm(False, "always"), "all_reduce", small)
+    # a pair that reads across processes keeps all_reduce and reduce_scatter on the mirrors longer
+    reads = comm(True, reads=True)
+    below = np.empty(GPU_DIRECT_READS_MIN_BYTES - 1, np.uint8)
+    assert not reduces(reads, "all_reduce", below) and not reduces(reads, "reduce_scatter", below)
+    assert reduces(reads, "all_reduce", np.empty(GPU_DIRECT_READS_MIN_BYTES, np.uint8))
+    assert reads._gpu_direct_for(GPU_DIRECT_MIN_BYTES, "all_gather")  # data movement keeps the first bound
+    assert reads._gpu_direct_for(GPU_DIRECT_MIN_BYTES) and reads._gpu_direct_for(None, "all_reduce")
+    for other in (comm(True, reads=True, policy=0.8), comm(True, reads=False)):  # no reads: the first bound
+        assert reduces(other, "all_reduce", big)
 
 
 def test_gpu_direct_needs_cuda_copy_on_every_plane():

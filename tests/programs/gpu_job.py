@@ -78,7 +78,7 @@ def collectives(comm, dtype, count: int) -> int:
         checks += 2
     stats = comm.last_stats()
     staged = stats["staging"]
-    if comm._gpu_direct_for(x.nbytes) and comm._device_reduces("all_reduce", x):  # no mirror: nothing crossed PCIe
+    if comm._gpu_direct_for(x.nbytes, "all_reduce") and comm._device_reduces("all_reduce", x):  # no mirror: nothing crossed PCIe
         assert staged["memory"] == "device" and staged["d2h_bytes"] == staged["h2d_bytes"] == 0, stats
     elif comm._device_reduces("all_reduce", x):
         assert staged["reduced_on"] == "cupy" and staged["d2h_bytes"] >= x.nbytes, stats
