@@ -16,8 +16,10 @@ import mpccs
 from mpccs.reduce import finish_avg, reduce_into
 
 DTYPES = (np.float32, np.float64, np.float16, np.int32, np.int8, np.uint64)
-# 0 and 1 element, a count no world size divides, one over 16 MiB of float32
-COUNTS = (0, 1, 1001, (16 << 20) // 4 + 3)
+# 0 and 1 element, a count no world size divides; float32 also 4 MiB (between
+# comm.GPU_DIRECT_MIN_BYTES and GPU_DIRECT_READS_MIN_BYTES: the mirrors on a 2-rank
+# pair that reads across processes, GPU-direct elsewhere) and one over 16 MiB
+COUNTS = (0, 1, 1001, (1 << 20) + 1, (16 << 20) // 4 + 3)
 
 
 def values(rank: int, count: int, dtype, salt: int = 0) -> np.ndarray:
