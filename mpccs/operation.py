@@ -68,11 +68,12 @@ class Operation:
 
     def _let_go_of_arrays(self) -> None:
         """Drop the references to the caller's arrays once the operation has
-        succeeded: the communicator keeps its last operation for last_stats() and
-        a caller may keep its Work, and neither may keep a call's arrays alive (a
-        device call's pinned host mirrors go back to cupy's pool only then; one
-        held a call longer made the next call allocate anew, ~20 ms for 64 MiB).
-        Never after a failure, where UCX may still hold them (Engine.park)."""
+        succeeded: the communicator keeps its last operation for last_stats(), and
+        it must not keep a call's arrays alive (a device call's pinned host mirrors
+        go back to cupy's pool only then; one held a call longer made the next call
+        allocate anew, ~20 ms for 64 MiB). A Work the caller keeps still holds the
+        result it returns. Never after a failure, where UCX may still hold them
+        (Engine.park)."""
 
     def stalled_for(self, now: float) -> float:
         return now - self.last_progress
