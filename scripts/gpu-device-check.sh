@@ -80,19 +80,16 @@ confirm_steps() {  # ONLY=confirm_steps: device arrays at 64 KiB-64 MiB on each 
             MPCCS_CMA=$cma python3 -m mpccs -n 2 $perf
     done
 }
-bound_steps() {  # ONLY=bound_steps: GPU-direct against the pinned mirrors at 2-32 MiB, alternating (comm.GPU_DIRECT_MIN_BYTES)
-    local perf="python3 -m mpccs.perf all_reduce -b 2M -e 32M -f 2 -n 20 -w 3 --quiet --memory device --policies up"
-    for k in 1 2; do
-        step "perf all_reduce device memory, GPU-direct, round $k" bound.txt 90 python3 -m mpccs -n 2 $perf
-        step "perf all_reduce device memory, mirrors, round $k" bound.txt 90 env MPCCS_GPU_DIRECT=0 \
-            python3 -m mpccs -n 2 $perf
+bound_steps() {  # ONLY=bound_steps: GPU-direct against the pinned mirrors at 2-32 MiB, alternating
+    # (comm.GPU_DIRECT_MIN_BYTES, GPU_DIRECT_READS_MIN_BYTES)
+    local perf="-b 2M -e 32M -f 2 -n 20 -w 3 --quiet --memory device --policies up" collective round
+    for run in "all_reduce 1" "all_reduce 2" "reduce_scatter 1" "all_gather 1"; do
+        read -r collective round <<< "$run"
+        step "perf $collective device memory, GPU-direct, round $round" bound.txt 90 \
+            python3 -m mpccs -n 2 python3 -m mpccs.perf $collective $perf
+        step "perf $collective device memory, mirrors, round $round" bound.txt 90 env MPCCS_GPU_DIRECT=0 \
+            python3 -m mpccs -n 2 python3 -m mpccs.perf $collective $perf
     done
-    step "perf reduce_scatter device memory, GPU-direct" bound.txt 90 python3 -m mpccs -n 2 ${perf/all_reduce/reduce_scatter}
-    step "perf reduce_scatter device memory, mirrors" bound.txt 90 env MPCCS_GPU_DIRECT=0 \
-        python3 -m mpccs -n 2 ${perf/all_reduce/reduce_scatter}
-    step "perf all_gather device memory, GPU-direct" bound.txt 90 python3 -m mpccs -n 2 ${perf/all_reduce/all_gather}
-    step "perf all_gather device memory, mirrors" bound.txt 90 env MPCCS_GPU_DIRECT=0 \
-        python3 -m mpccs -n 2 ${perf/all_reduce/all_gather}
 }
 profile_steps() {  # ONLY=profile_steps: where a 64 MiB all_reduce on pinned mirrors spends its time, reads on and off
     export MPCCS_GPU_DIRECT=0

@@ -21,9 +21,10 @@ non-temporal stores a large memcpy may use, cannot pass a locked
 instruction, which post() executes (an uncontended lock) before the flag.
 
 The header also holds this rank's process id and, for the direct path's
-cross-memory reads (cma_steps.py), a table of SLOTS slots of SLOT_WORDS words: the addresses of one operation's buffers and the sequence
-numbers of the steps it reached (slot seq % SLOTS; a stale slot holds
-another sequence number, so a waiter tests ``==``).
+cross-memory reads (cma_steps.py), a table of SLOTS slots of SLOT_WORDS
+words: the addresses of one operation's buffers and the sequence numbers of
+the steps it reached (slot seq % SLOTS; a stale slot holds another sequence
+number, so a waiter tests ``==``).
 
 Set-up (open_pair): each rank creates its segment in /dev/shm under a name
 of its own, the names go through the bootstrap store, each maps its peer's
