@@ -8,8 +8,9 @@ inside one process, so each round runs the same timing under the other
 checkout (PYTHONPATH) and under this one, back to back: 2 ranks, float32,
 out of place, policy 'adaptive' as shipped, blocks of 128 KiB and 512 KiB
 (what each rank sends each peer), per-op time = median over 40 blocks of 5
-operations after a barrier, slowest rank. Writes report.md (per round and the
-median of rounds) under --out.
+operations after a barrier, slowest rank. --blocks and --collectives pick
+other blocks and calls (an all_reduce's block is its whole input). Writes
+report.md (per round and the median of rounds) under --out.
 """
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ def rank_main() -> None:
     comm = mpccs.init()
     p = comm.size
     res = {}
-    for blk in (128 << 10, 512 << 10):
+    blocks = [int(b) for b in os.environ["CHECKOUT_AB_BLOCKS"].split(",")]
+    wanted = os.environ["CHECKOUT_AB_COLLECTIVES"].split(",")
+    for blk in blocks:
         n = blk // 4
         cases = {
             "all_gather": (np.ones(n, np.float32), np.empty(n * p, np.float32), comm.all_gather),
@@ -41,7 +44,8 @@ def rank_main() -> None:
             "broadcast": (np.ones(n, np.float32), None, lambda s, o: comm.broadcast(s, root=0)),
             "all_reduce": (np.ones(n, np.float32), np.empty(n, np.float32), comm.all_reduce),
         }
-        for name, (send, out, call) in cases.items():
+        for name in wanted:
+            send, out, call = cases[name]
             for _ in range(30):
                 call(send, out)
             times = []
@@ -59,8 +63,16 @@ def rank_main() -> None:
     comm.close()
 
 
-def run(path: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=path)
+COLLECTIVES = ("all_gather", "all_to_all", "reduce_scatter", "broadcast", "all_reduce")
+
+
+def _bytes(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20}
+    return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
+
+
+def run(path: str, blocks: str, collectives: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=path, CHECKOUT_AB_BLOCKS=blocks, CHECKOUT_AB_COLLECTIVES=collectives)
     p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "2", "--no-prefix", sys.executable, __file__, "--rank"],
                        env=env, cwd=path, capture_output=True, text=True, timeout=600, check=True)
     line = next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))
@@ -72,11 +84,18 @@ def main() -> None:
     ap.add_argument("--old", required=True, help="the other checkout (a git worktree)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--blocks", default="128K,512K", help="block sizes, comma-separated (K and M suffixes)")
+    ap.add_argument("--collectives", default=",".join(COLLECTIVES))
     args = ap.parse_args()
+    blocks = ",".join(str(_bytes(b)) for b in args.blocks.split(","))
+    unknown = set(args.collectives.split(",")) - set(COLLECTIVES)
+    if unknown:
+        ap.error(f"unknown collectives {sorted(unknown)}; choose from {COLLECTIVES}")
     new_path = os.path.dirname(HERE)
     rounds = []
     for k in range(args.rounds):
-        rounds.append({"old": run(args.old), "new": run(new_path)})
+        rounds.append({"old": run(args.old, blocks, args.collectives),
+                       "new": run(new_path, blocks, args.collectives)})
         print(f"# progress: {k + 1}/{args.rounds} rounds", flush=True)
     keys = list(rounds[0]["new"])
     lines = [f"# This checkout against {args.old}, alternating processes, {args.rounds} rounds", "",

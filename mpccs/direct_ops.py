@@ -3,6 +3,7 @@
 through the shared-memory segments."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -10,7 +11,7 @@ import numpy as np
 
 from . import wire
 from .cma_steps import CmaSteps
-from .errors import TransportError
+from .errors import ProtocolError, TransportError
 from .fingerprint import Fingerprint
 from .operation import FP_BYTES, Operation, check_fingerprint
 from .reduce import reduce_into, reduce_to
@@ -61,6 +62,9 @@ DIRECT_CMA_MAX_BYTES = 256 << 20
 # (ring), all_to_all 10.3-10.4 / 21 (pairwise), broadcast 3.0-3.4 / 8.6-8.7 and
 # reduce 6.9-7.0 / 25-27 (tree).
 DIRECT_CMA_BLOCK_BYTES = (1 << 20, 128 << 20)
+# How long a rank that took the segments polls for its peer's fingerprint there
+# before it sleeps on the planes' events (DirectShmAllReduceOp).
+PEER_SPIN_S = 200e-6
 DIRECT_POOL_PER_SIZE = 4  # reusable DirectBuffers kept per size (operations in flight at once)
 DIRECT_POOL_SIZES = 32  # sizes kept
 DIRECT_POOL_BYTES = 32 << 20  # and at most this much memory in them (medium buffers are up to ~2 MiB)
@@ -415,17 +419,27 @@ class DirectBlocksAllReduceOp(DirectAllReduceOp):
                 else "the peers to take this rank's messages"}
 
 
-class DirectShmAllReduceOp(DirectAllReduceOp):
+class DirectShmAllReduceOp(Operation):
     """A 2-rank all_reduce of halves through the shared-memory segments
     (shm_steps.py; above DIRECT_CMA_FROM_BYTES, where the pair allows it, read
-    across processes: cma_steps.py), behind the direct path's fingerprint messages: the direct
-    blocks' reduce-scatter and all-gather with a copy and a flag in place of
-    each message. Chosen like the rest of the direct path, from the
-    configuration and the call alone (comm._run_direct): every rank opened the
-    segments or none did (transports/shm.open_pair). A rank completes only
-    once its peer's fingerprint matched: a peer that called something else
-    gets its MismatchError as on the rest of the direct path (the output may
-    then hold anything, as after any error).
+    across processes: cma_steps.py): the direct blocks' reduce-scatter and
+    all-gather with a copy and a flag in place of each message. Chosen like the
+    rest of the direct path, from the configuration and the call alone
+    (comm._run_direct): every rank opened the segments or none did
+    (transports/shm.open_pair).
+
+    The ranks meet in the segments, not by UCX messages (those cost 25-36 us of
+    a 1-8 MiB call; without them 1.03-1.29x faster: bench/results/meeting_ab/): each publishes its
+    fingerprint there before its steps post anything, and looks at its peer's
+    before its steps read anything of the peer's, so a peer that called another
+    operation through the segments is never read from and both ranks get a
+    MismatchError. A peer that called something else (the DAG, a direct
+    message) sends a fingerprint message instead: a rank that has not met its
+    peer within PEER_SPIN_S stops polling the flags, posts FLAG_WAITING, sleeps
+    on the planes' events and looks for that message each time it wakes (a
+    mismatch then, told to the peer by an abort). A peer that arrives and sees
+    FLAG_WAITING rings (CTRL_DOORBELL), so a late peer costs neither spinning
+    nor a sleep's timeout. In the normal case no UCX message moves at all.
 
     One outbox per rank: operations in flight together (async_op) take the
     segments in turn, in the order they were submitted (the same on both
@@ -433,26 +447,41 @@ class DirectShmAllReduceOp(DirectAllReduceOp):
     here, which was once the peer had taken everything from this outbox."""
 
     algorithm = "direct_shm"
+    stats_are_light = True
+    posts_when_built = True
     root = 0  # (DirectShmBlocksOp's broadcast and reduce have one)
 
     def __init__(self, engine, seq, send: np.ndarray, out: np.ndarray, op: str, world: int,
                  fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,
                  name: str = "all_reduce"):
-        super().__init__(engine, seq, send, out, op, world, fingerprint, finalize, name)
+        super().__init__(engine, seq)
+        self.name, self.op, self.out, self.finalize, self.fingerprint = name, op, out, finalize, fingerprint
+        self.mine = send  # the steps read each half before anything writes over it
+        self.wire_seq = wire.attempt_seq(seq, 0)
+        self.peer = 1 - engine.rank
+        self.spin_planes = (engine.control_plane(self.peer),)
+        self._fp_words = fingerprint.encode() if fingerprint is not None else _NO_FINGERPRINT
         self._pair = engine.shm  # the segments this call was chosen for (the engine's may change later)
         self._steps: Optional[ShmSteps] = None
+        self._met = False  # the peer's fingerprint for this operation is in its segment and matched
+        self._asleep = False  # this rank posted FLAG_WAITING: it sleeps on the planes' events
+        self._since = 0.0  # when this rank took the segments
+        self._doorbells = []  # rung for the peer (their sends)
         self._start_steps()
         self.bytes_per_plane[UP] += send.nbytes  # its part of the peer's half, then the peer's copy of its own
 
     def _start_steps(self) -> bool:
-        """Take the segments if no earlier operation holds them (Engine.shm_holder)."""
+        """Take the segments if no earlier operation holds them (Engine.shm_holder):
+        publish the fingerprint, then post this rank's steps."""
         if self.engine.shm_holder is not None:
             return False
         self.engine.shm_holder = self
+        self._pair.post_fingerprint(self._fp_words, self.seq)
         if self._reads():
             self._steps = self._read_steps()
         else:
             self._steps = ShmSteps(self._pair, self.seq, self.engine.rank, self.mine, self.out, self.op)
+        self._since = time.perf_counter()
         return True
 
     def _reads(self) -> bool:
@@ -465,44 +494,87 @@ class DirectShmAllReduceOp(DirectAllReduceOp):
                         lambda n: engine.kept_scratch("direct_shm", n), self._error, self.root)
 
     def _error(self, message: str, step: str) -> TransportError:
-        return TransportError(message, rank=self.engine.rank, plane=UP, peer=1 - self.engine.rank, op=self.name,
+        return TransportError(message, rank=self.engine.rank, plane=UP, peer=self.peer, op=self.name,
                               stage=f"direct shm {step}")
 
-    def _own_input(self, send: np.ndarray, out: np.ndarray, me: int, world: int) -> np.ndarray:
-        return send  # the steps read each half before anything writes over it
-
-    def _sends_to(self, peer: int) -> bool:
-        return False  # the fingerprint alone: the halves go through the segments
-
-    def _receives_from(self, peer: int) -> bool:
-        return False
-
-    def _received_bytes(self) -> int:
-        return 0
-
     def _advance(self) -> bool:
-        moved = self._take_arrivals()
         if self._steps is None and not self._start_steps():
-            return moved
+            return False
+        moved = False
+        if not self._met:
+            if not self._meet_peer():
+                return False
+            moved = True
         moved |= self._steps.advance()
-        if self._recvs or not self._steps.done or not all(r.completed for r in self._sends):
+        if not self._steps.done or not all(r.completed for r in self._doorbells):
             return moved
-        for req in self._sends:
+        for req in self._doorbells:
             req.check_error()
         self._release()
-        self._complete()
+        if self.finalize is not None:
+            self.finalize()
+        self._finish()
         return True
+
+    def _meet_peer(self) -> bool:
+        """True once the peer's fingerprint for this operation is in its segment
+        and matched ours (MismatchError where it differs); until then, past
+        PEER_SPIN_S, sleep and look for a fingerprint message (class docstring)."""
+        pair, seq = self._pair, self.seq
+        theirs = pair.peer_fingerprint(seq)
+        if theirs is None and not self._asleep and time.perf_counter() - self._since > PEER_SPIN_S:
+            pair.post_waiting(seq)
+            self._asleep = True
+            theirs = pair.peer_fingerprint(seq)  # (it may have come between the look and the flag)
+        if theirs is None:
+            if self._asleep:
+                self._look_for_messages()
+            return False
+        if self.fingerprint is not None:
+            check_fingerprint(self, theirs, self.peer, (self.peer,), self.wire_seq)
+        self._met = True
+        if pair.peer_waiting(seq):
+            self._ring()
+        return True
+
+    def _ring(self) -> None:
+        plane = self.engine.control_plane(self.peer)
+        tag = wire.make_tag(wire.KIND_CTRL, self.engine.comm_id, self.wire_seq, self.engine.rank, wire.CTRL_DOORBELL)
+        self._doorbells.append(plane.send(self.peer, _DOORBELL, tag))
+
+    def _look_for_messages(self) -> None:
+        """While asleep: take the doorbells that woke this rank (stale ones from an
+        earlier operation too), and fail on a fingerprint message from the peer."""
+        engine, peer = self.engine, self.peer
+        bell = wire.make_tag(wire.KIND_CTRL, engine.comm_id, 0, peer, wire.CTRL_DOORBELL)
+        fp_tag = wire.make_tag(wire.KIND_CTRL, engine.comm_id, self.wire_seq, peer, wire.CTRL_FINGERPRINT)
+        for plane in engine.planes_from(peer):
+            while (probe := plane.probe(bell, wire.ctrl_any_seq_mask())) is not None:
+                plane.take(probe)
+            probe = plane.probe(fp_tag, wire.FULL_MASK) if self.fingerprint is not None else None
+            if probe is not None:
+                self._fail_on_message(np.frombuffer(plane.take(probe), np.uint8))
+
+    def _fail_on_message(self, message: np.ndarray) -> None:
+        """The peer sent a fingerprint message for this operation: it called
+        something that does not run through the segments."""
+        if message.size < FP_BYTES:
+            raise ProtocolError(f"malformed fingerprint message of {message.size} bytes", rank=self.engine.rank,
+                                peer=self.peer, op=self.name)
+        check_fingerprint(self, message, self.peer, (self.peer,), self.wire_seq)  # raises: the algorithms differ
+        raise ProtocolError(f"rank {self.peer} sent a fingerprint message for operation #{self.seq}, which this "
+                            "rank runs through the shared-memory segments", rank=self.engine.rank, peer=self.peer,
+                            op=self.name)
 
     @property
     def polls_memory(self) -> bool:
-        """Only once the peer's fingerprint is here: it sends that first, so until
-        then a plane event wakes this rank, and a peer that comes late (uneven
-        work between collectives) costs no spinning."""
-        return not self._recvs
+        """While it runs its steps, and for PEER_SPIN_S while it waits for its peer
+        to arrive; not asleep (a late peer, uneven work between collectives,
+        costs no spinning) nor queued behind an earlier operation."""
+        return self._steps is not None and (self._met or not self._asleep)
 
     def _let_go_of_arrays(self) -> None:
-        super()._let_go_of_arrays()
-        self._steps = None
+        self.mine = self.out = self.finalize = self._steps = None
 
     def _release(self) -> None:
         if self.engine.shm_holder is self:
@@ -512,23 +584,36 @@ class DirectShmAllReduceOp(DirectAllReduceOp):
         if self._steps is not None:
             self._steps.abandon()
         self._release()
+        for req in self._doorbells:
+            if not req.completed:
+                self.engine.park(req, _DOORBELL)
         super()._fail(exc)
 
     def describe_stall(self) -> dict:
-        if self._recvs:
-            return super().describe_stall()
-        waiting = "an earlier operation to let go of the segments" if self._steps is None else self._steps.waiting_for
-        return {"stage": "direct shm", "peer": list(self.others), "plane": UP, "waiting_for": waiting}
+        if self._steps is None:
+            waiting = "an earlier operation to let go of the segments"
+        elif not self._met:
+            waiting = "the peer to reach this operation (its fingerprint in its segment)"
+        else:
+            waiting = self._steps.waiting_for
+        return {"stage": "direct shm", "peer": [self.peer], "plane": UP, "waiting_for": waiting}
+
+    def stats(self) -> dict:
+        out = super().stats()
+        out.update(algorithm=self.algorithm, channels=1, policy="direct", stages=[],
+                   slept_for_peer=self._asleep, rang_peer=bool(self._doorbells))
+        return out
 
 
+_NO_FINGERPRINT = np.zeros(2, np.uint64)  # fingerprints off: the meeting alone
+_DOORBELL = np.ones(1, np.uint8)  # what a doorbell carries: nothing that matters (sends only read it)
 class DirectShmBlocksOp(DirectShmAllReduceOp):
     """A 2-rank reduce_scatter, all_gather, all_to_all, broadcast or reduce of
     blocks in DIRECT_CMA_BLOCK_BYTES on a pair that reads across processes: each
     rank reads the block it needs from its peer's input straight into its output
     (cma_steps.py; a reduction reduces it there with its own operand in rank
-    order; a broadcast's or reduce's one reader reads the whole buffer), behind
-    the direct path's fingerprint messages, taking the segments in turn like the
-    all_reduce."""
+    order; a broadcast's or reduce's one reader reads the whole buffer), meeting
+    its peer in the segments and taking them in turn like the all_reduce."""
 
     def __init__(self, engine, seq, send: np.ndarray, out: np.ndarray, op: str, world: int,
                  fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,

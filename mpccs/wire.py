@@ -40,6 +40,7 @@ CTRL_WIREUP = 11  # one byte per plane and peer at init: connections exist befor
 CTRL_DIRECT_DATA = 12  # a direct operation's payload in its own message, after its fingerprint message
 CTRL_DIRECT_PART = 13  # direct blocks: the block of a rank's input the receiver owns
 CTRL_DIRECT_REDUCED = 14  # direct blocks: the block the sender owns, reduced
+CTRL_DOORBELL = 15  # through the segments: "I am here", to a peer that sleeps on its planes' events (FLAG_WAITING)
 
 # Flow ids no schedule reaches, for the two-step executor's messages (two_step.py):
 # collective-data tags, so a failed attempt's strays are drained like chunks.

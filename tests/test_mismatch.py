@@ -53,6 +53,10 @@ def mismatched(comm, kind):
                 comm.all_reduce(np.ones(1 << 18, np.float32), np.empty(1 << 18, np.float32))
             else:
                 comm.all_gather(np.ones(1 << 17, np.float32), np.empty(1 << 18, np.float32))
+        elif kind == "shm_late_size":  # through the segments, rank 1 late: rank 0 sleeps when it meets a stranger
+            if r == 1:
+                time.sleep(0.3)
+            comm.all_reduce(np.ones((1 << 18) + 2 * r, np.float32))
         elif kind == "cma_size":  # both direct, halves read across processes: shapes differ, nothing is read
             comm.all_reduce(np.ones((1 << 20) + 2 * r, np.float32))
         elif kind == "cma_dtype":  # the same bytes: the reads happen, the fingerprint still fails both
@@ -113,7 +117,8 @@ def _run_timed(fn, *args):
                                   "medium_vs_dag", "medium_policy", "gather_vs_dag", "a2a_size",
                                   "two_step_size", "op_after_warm", "halves_size", "halves_vs_full",
                                   "medium_size_out", "halves_size_out", "shm_vs_two_step", "shm_vs_gather",
-                                  "cma_size", "cma_dtype", "cma_all_reduce_vs_rs", "cma_vs_dag", "cma_gather_size",
+                                  "shm_late_size", "cma_size", "cma_dtype", "cma_all_reduce_vs_rs", "cma_vs_dag",
+                                  "cma_gather_size",
                                   "cma_a2a_vs_gather", "cma_bcast_root", "cma_reduce_vs_bcast"])
 def test_mismatched_calls_raise_on_every_rank(kind):
     results, elapsed = _run_timed(mismatched, kind)
@@ -124,8 +129,10 @@ def test_mismatched_calls_raise_on_every_rank(kind):
         assert after == "aborted"
         if kind == "policy":  # a DONE round one rank skips used to wait out the no-progress timeout
             assert "failover protection" in message, message
+        # the fingerprint, looked at before the payload: never a truncated receive
         if kind.startswith(("medium", "halves")) or kind in ("gather_vs_dag", "a2a_size", "two_step_size",
-                                                              "cma_size", "cma_vs_dag", "cma_gather_size"):  # the fingerprint, looked at before the payload: never a truncated receive
+                                                              "shm_late_size", "cma_size", "cma_vs_dag",
+                                                              "cma_gather_size"):
             assert name == "MismatchError", message
             assert ("same path policy" if kind == "medium_policy" else "count") in message, message
     assert elapsed < 15, f"mismatch took {elapsed:.1f} s to surface (a timeout, not detection)"

@@ -82,6 +82,23 @@ def test_a_rank_waits_for_its_peer_and_stale_flags_do_not_count():
     assert alone.stage == 1 and not alone.done
 
 
+def test_fingerprints_and_waiting_flags_name_their_operation():
+    """A peer's fingerprint counts for the operation its flag names only; the
+    waiting flag likewise (the meeting at the start of DirectShmAllReduceOp)."""
+    pairs = _pairs()
+    words = np.array([0x1234, 1 << 40], np.uint64)
+    assert pairs[1].peer_fingerprint(1) is None  # nothing published yet
+    pairs[0].post_fingerprint(words, 1)
+    assert pairs[1].peer_fingerprint(1).tobytes() == words.tobytes()
+    assert pairs[1].peer_fingerprint(2) is None  # operation 1's, not operation 2's
+    pairs[0].post_fingerprint(words + 1, 2)
+    assert pairs[1].peer_fingerprint(1) is None and pairs[1].peer_fingerprint(2).tobytes() == (words + 1).tobytes()
+    assert pairs[0].peer_fingerprint(2) is None  # a rank reads its peer's header, not its own
+    assert not pairs[1].peer_waiting(3)
+    pairs[0].post_waiting(3)
+    assert pairs[1].peer_waiting(3) and not pairs[1].peer_waiting(4) and not pairs[0].peer_waiting(3)
+
+
 # -- the segments between two processes ---------------------------------------
 def segments_state(comm):
     pids = comm._pids
@@ -185,3 +202,54 @@ def every_op_through_the_segments(comm):
 def test_every_op_through_the_segments_matches_numpy(pool):
     for rows in pool.run(every_op_through_the_segments):
         assert len(rows) == 17 and all(alg == "direct_shm" and exact for *_, alg, exact in rows), rows
+
+
+def late_peer_wake(comm, late_rank):
+    """``late_rank`` comes 0.3 s late to two all_reduces through the segments, then
+    one on time: each result, and whether the early rank slept and the late one rang."""
+    import time
+
+    rows = []
+    for late in (True, True, False):
+        x = np.arange(300_000, dtype=np.float32) + comm.rank
+        comm.barrier()
+        if late and comm.rank == late_rank:
+            time.sleep(0.3)
+        out = comm.all_reduce(x, np.empty_like(x))
+        stats = comm.last_stats()
+        rows.append((stats["algorithm"], stats["slept_for_peer"], stats["rang_peer"],
+                     bool(np.array_equal(out, 2 * np.arange(300_000, dtype=np.float32) + 1))))
+    return rows
+
+
+@pytest.mark.parametrize("late_rank", [0, 1])
+def test_a_sleeping_rank_is_rung_awake_by_its_late_peer(pool, late_rank):
+    """The early rank stops polling after PEER_SPIN_S and sleeps on its planes'
+    events; the late one sees FLAG_WAITING and rings. A doorbell that lands after
+    its operation finished is taken by a later sleep (the second late call), and
+    a call where both arrive together needs neither."""
+    results = pool.run(late_peer_wake, late_rank)
+    early, late = results[1 - late_rank], results[late_rank]
+    for k in range(2):
+        assert early[k] == ("direct_shm", True, False, True), early
+        assert late[k] == ("direct_shm", False, True, True), late
+    assert early[2][3] and late[2][3] and early[2][0] == "direct_shm"
+
+
+def both_ways_without_fingerprints(comm):
+    """Through the outboxes and by reads (where the pair reads) with fingerprints off: the meeting alone."""
+    rows = []
+    for n in (300_000, 1_500_000):
+        x = np.arange(n, dtype=np.float32) * (comm.rank + 1)
+        out = comm.all_reduce(x, np.empty_like(x))
+        rows.append((comm.last_stats()["algorithm"], bool(np.array_equal(out, np.arange(n, dtype=np.float32) * 3))))
+    return rows
+
+
+def test_the_segments_meet_without_fingerprints():
+    ranks = RankPool(2, env={"MPCCS_FINGERPRINT": "0"})
+    try:
+        for rows in ranks.run(both_ways_without_fingerprints):
+            assert rows == [("direct_shm", True), ("direct_shm", True)], rows
+    finally:
+        ranks.close()
