@@ -215,7 +215,7 @@ class Engine:
         operation at a time ("two_step": the two-step executor, collectives run one
         at a time; "direct_shm": the direct operations through the segments, which
         take turns), kept at the largest size asked (at most 8 MiB: two_step.
-        MAX_HALF_BYTES, cma_steps.SCRATCH_BYTES). Pooled chunks of that
+        MAX_HALF_BYTES; cma_steps.READ_PART_BYTES). Pooled chunks of that
         size were often gone to the DAG's chunks in between, and a fresh buffer per
         call faulted its pages in under the receive (a 4 MiB half took 2.5x as long
         as into a warm buffer)."""

@@ -142,24 +142,50 @@ def test_reduce_reads_into_the_root_in_rank_order(root, in_place):
     assert srcs[1 - root].tobytes() == ins[1 - root].tobytes()  # the other rank's input is only read
 
 
+@pytest.mark.parametrize("in_place", [True, False])
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "reduce"])
-def test_in_place_reads_go_through_the_kept_buffer_in_parts(monkeypatch, collective):
-    """An in-place block larger than SCRATCH_BYTES (lowered to 4 KiB here) is read and
-    reduced part by part: the same bits as whole."""
-    monkeypatch.setattr(cma_steps, "SCRATCH_BYTES", 4096)
+def test_reads_reduce_in_parts(monkeypatch, collective, in_place):
+    """A block larger than READ_PART_BYTES (lowered to 4 KiB here) is read and reduced
+    part by part (in place through the kept buffer, else in the output): the same
+    bits as whole, and with the reads counted."""
+    monkeypatch.setattr(cma_steps, "READ_PART_BYTES", 4096)
+    reads = []
+    real_read = cma_steps.cma.read_into
+    monkeypatch.setattr(cma_steps.cma, "read_into", lambda dst, pid, at: (reads.append(dst.nbytes),
+                                                                           real_read(dst, pid, at)))
     n = 10_001  # float32: 40 KiB, ten parts of 1024 elements and a short one
     ins = _operands(2 * n)
     whole = ins[0] + ins[1]
     srcs = [x.copy() for x in ins]
     if collective == "all_reduce":
-        outs, expected = srcs, [whole, whole]
+        outs, expected = (srcs if in_place else [np.empty(2 * n, np.float32) for _ in range(2)]), [whole, whole]
     elif collective == "reduce_scatter":
-        outs, expected = [srcs[r][r * n:(r + 1) * n] for r in range(2)], [whole[:n], whole[n:]]
-    else:  # reduce to rank 1, in place
-        outs, expected = [np.empty(0, np.float32), srcs[1]], [np.empty(0, np.float32), whole]
+        outs = [srcs[r][r * n:(r + 1) * n] if in_place else np.empty(n, np.float32) for r in range(2)]
+        expected = [whole[:n], whole[n:]]
+    else:  # reduce to rank 1
+        outs = [np.empty(0, np.float32), srcs[1] if in_place else np.empty(2 * n, np.float32)]
+        expected = [np.empty(0, np.float32), whole]
     _run_both(collective, srcs, outs, root=1)
     for r in range(2):
         assert outs[r].tobytes() == expected[r].tobytes()
+    assert sum(1 for b in reads if b <= 4096) >= 10, reads  # (whole: one read of 40 KiB per reader)
+
+
+def test_large_blocks_out_of_place_are_read_whole(monkeypatch):
+    """Out of place, a block above READ_PARTS_MAX_OUT_BYTES (lowered to 8 KiB) is read in one go."""
+    monkeypatch.setattr(cma_steps, "READ_PART_BYTES", 4096)
+    monkeypatch.setattr(cma_steps, "READ_PARTS_MAX_OUT_BYTES", 8192)
+    reads = []
+    real_read = cma_steps.cma.read_into
+    monkeypatch.setattr(cma_steps.cma, "read_into", lambda dst, pid, at: (reads.append(dst.nbytes),
+                                                                           real_read(dst, pid, at)))
+    n = 10_001
+    ins = _operands(2 * n)
+    outs = [np.empty(n, np.float32) for _ in range(2)]
+    _run_both("reduce_scatter", ins, outs)
+    whole = ins[0] + ins[1]
+    assert outs[0].tobytes() == whole[:n].tobytes() and outs[1].tobytes() == whole[n:].tobytes()
+    assert reads == [n * 4, n * 4], reads
 
 
 def test_a_stale_slot_does_not_count():
