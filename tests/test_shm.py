@@ -171,9 +171,9 @@ def late_peer_cpu(comm):
 
 
 def test_a_late_peer_costs_no_spinning(pool):
-    """Until the peer's fingerprint message arrives the waiting rank sleeps on the
-    planes' events (the peer sends it before touching the segments); it polls the
-    flags only after (Operation.polls_memory)."""
+    """A rank whose peer has not published its fingerprint in the segments within
+    PEER_SPIN_S sleeps on the planes' events until the peer rings; it polls the
+    flags only before and once they met (Operation.polls_memory)."""
     (cpu0, algorithm, value), _ = pool.run(late_peer_cpu)
     assert algorithm == "direct_shm" and value == 2.0
     assert cpu0 < 0.4, f"rank 0 spent {cpu0:.2f} CPU seconds waiting 1 s for its peer"
