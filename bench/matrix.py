@@ -639,6 +639,31 @@ def model_share(label: str, env: dict, policy: str, rank: int) -> float:
     return max(share, 1.0 - cap)
 
 
+def planned_share(record: dict):
+    """The share on 'up' the controller planned for this rank's own flows in one
+    operation (its decision records, before chunk rounding and stealing), or None
+    where no stage was decided (a fixed policy)."""
+    up = out = 0
+    for stage in record.get("stages", []):
+        mine = ((stage.get("split") or {}).get("ranks") or {}).get(str(record["rank"]))
+        if mine:
+            up, out = up + mine["bytes"]["up"], out + mine["bytes"]["out"]
+    return up / (up + out) if up + out else None
+
+
+def planned_spread(plan: list) -> dict | None:
+    """How much the planned share still moves in the second half of a segment (after
+    any convergence): its 10th-90th percentile range and how often consecutive
+    operations reverse direction by more than one point (an oscillation's mark)."""
+    half = plan[len(plan) // 2:]
+    if len(half) < 4:
+        return None
+    steps = [b - a for a, b in zip(half, half[1:]) if abs(b - a) > 0.01]
+    reversals = sum(1 for a, b in zip(steps, steps[1:]) if a * b < 0)
+    lo, hi = np.percentile(half, [10, 90])
+    return {"p10": float(lo), "p90": float(hi), "reversals": reversals, "ops": len(half)}
+
+
 def analyse_series(raw: str, name: str) -> dict | None:
     base = os.path.join(raw, "series", name)
     if not os.path.exists(f"{base}.run.json"):
@@ -656,11 +681,13 @@ def analyse_series(raw: str, name: str) -> dict | None:
                 break
     big = [r for r in trace if r.get("op") == "all_reduce"
            and sum((r.get("bytes_per_plane") or {}).values()) >= SERIES_BYTES // 4]
-    ops = {}
+    ops, planned = {}, {}
     for r in big:
         bpp = r["bytes_per_plane"]
-        ops.setdefault(r["rank"], []).append((r.get("t_start_wall", r["t"]), bpp.get("up", 0) / sum(bpp.values()),
+        start = r.get("t_start_wall", r["t"])
+        ops.setdefault(r["rank"], []).append((start, bpp.get("up", 0) / sum(bpp.values()),
                                               r.get("duration_s", 0), r.get("attempts", 1)))
+        planned.setdefault(r["rank"], {})[start] = planned_share(r)
     for k in ops:
         ops[k].sort()
     rank_ops = ops.get(0, []) or ops.get(1, [])
@@ -670,7 +697,8 @@ def analyse_series(raw: str, name: str) -> dict | None:
     t0 = rank_ops[0][0] if rank_ops else (first or 0)
     out["t0"] = t0
     out["changes"] = [{"t": w - t0, "label": lab} for w, lab in changes]
-    out["ops"] = {str(k): [{"t": a - t0, "share_up": s, "dt": d, "attempts": at} for a, s, d, at in v]
+    out["ops"] = {str(k): [{"t": a - t0, "share_up": s, "planned_up": planned[k][a], "dt": d, "attempts": at}
+                           for a, s, d, at in v]
                   for k, v in ops.items()}
     # segments: before the first change, then after each change; an operation belongs to the
     # segment in which it started. Each rank decides its own split, so each has its own series.
@@ -684,7 +712,9 @@ def analyse_series(raw: str, name: str) -> dict | None:
             shares = [s for _, s, _ in seg]
             times = [a for a, _, _ in seg]
             model = model_share(label, run.get("env") or {}, run["policy"], rank)
+            plan = [planned[rank][a] for a, _, _ in seg if planned[rank][a] is not None]
             segs.append({"rank": rank, "after": label, "t_change": lo - t0, "ops": len(seg),
+                         "planned_spread": planned_spread(plan),
                          "mean_share": float(np.mean(shares)) if shares else None,
                          "median_op_ms": float(np.median([d for _, _, d in seg])) * 1e3 if seg else None,
                          "max_op_ms": float(np.max([d for _, _, d in seg])) * 1e3 if seg else None,
@@ -830,6 +860,12 @@ def verdict_best(cell) -> str:
     return "holds" if holds(cell["vs_best"], 0.97, cell["floor"]) else "NOT MET"
 
 
+def spread_cell(spread: dict | None) -> str:
+    if not spread:
+        return "-"
+    return f"{spread['p10']:.2f}-{spread['p90']:.2f} ({spread['reversals']} / {spread['ops']})"
+
+
 def render(cells: list, series: dict, meta: dict, versions: dict) -> str:
     plan = meta["plan"]
     host = meta["host"]
@@ -936,8 +972,8 @@ def render(cells: list, series: dict, meta: dict, versions: dict) -> str:
                   for r, v in (s.get("rank_summary") or {}).items()) + ".", "",
               "| rank | segment (after) | at t (s) | operations | model share | mean share up | final share | "
               "median op (ms) | longest op (ms) | strict: ops / s | rolling: ops / s | outliers after rolling convergence "
-              "| near model: first op (inside) |",
-              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---|"]
+              "| near model: first op (inside) | planned share, second half: p10-p90 (reversals / ops) |",
+              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---|---|"]
         for seg in s["segments"]:
             cv = seg["convergence"]
 
@@ -953,7 +989,7 @@ def render(cells: list, series: dict, meta: dict, versions: dict) -> str:
                      f"{num(seg['mean_share'], '.2f')} | {num(cv.get('final'), '.2f')} | {num(seg['median_op_ms'], '.0f')} | "
                      f"{num(seg.get('max_op_ms'), '.0f')} | "
                      f"{f2(cv.get('strict'))} | {f2(cv.get('rolling5'))} | {cv.get('late_outliers', '-')} | "
-                     f"{near_cell(seg.get('near_model'))} |")
+                     f"{near_cell(seg.get('near_model'))} | {spread_cell(seg.get('planned_spread'))} |")
         co = s.get("coordination")
         if co:
             L += ["", "Operations by whether the ranks split together (share on `up` < 0.95), with the operation's "
@@ -1252,6 +1288,9 @@ def plot_all(out: str, cells: list, series: dict) -> None:
         for rank, ops in sorted(s["ops"].items()):
             ax.plot([o["t"] for o in ops], [o["share_up"] for o in ops], ".-", ms=3, lw=0.6,
                     color=f"C{rank}", alpha=1 if rank == "0" else 0.6, label=f"rank {rank}")
+            plan = [(o["t"], o["planned_up"]) for o in ops if o.get("planned_up") is not None]
+            if plan:
+                ax.plot(*zip(*plan), "--", lw=0.8, color=f"C{rank}", alpha=0.8, label=f"rank {rank} planned")
         ops = s["ops"]["0"]
         # all_reduce busbw factor 2(n-1)/n = 1 for 2 ranks
         ax2.plot([o["t"] for o in ops], [SERIES_BYTES / o["dt"] / 1e9 if o["dt"] else 0 for o in ops],
@@ -1280,7 +1319,7 @@ def plot_all(out: str, cells: list, series: dict) -> None:
         ax.grid(alpha=0.3)
         env = ", ".join(f"{k}={v}" for k, v in (s.get("env") or {}).items() if k != "MPCCS_TRACE")
         ax.set_title(f"{name}: 16 MiB all_reduce, {s['policy']} ({env})\nlines: final share +-5 points; "
-                     "triangles: converged (rolling)",
+                     "triangles: converged (rolling); dashed: the share planned (before chunks and stealing)",
                      fontsize=10)
         fig.tight_layout()
         fig.savefig(os.path.join(out, f"share_{name}.png"), dpi=100)

@@ -89,3 +89,21 @@ def test_the_sweep_finds_the_best_fraction_per_load_and_convergence_is_counted_f
     text = "\n".join(matrix.sweep_lines(sweep, res and {"background": res}))
     assert "| 0.8 |" in text and "**100**" in text  # the best fraction is marked in the table
     assert "rank 1 3 ops" in text
+
+
+def test_planned_share_sums_the_ranks_own_decisions(matrix):
+    """The share planned for a rank's own flows, from its stages' decision records (not the bytes that moved)."""
+    stage = lambda up, out, other_up: {"split": {"ranks": {"1": {"bytes": {"up": up, "out": out}},  # noqa: E731
+                                                           "0": {"bytes": {"up": other_up, "out": 0}}}}}
+    record = {"rank": 1, "stages": [stage(3, 1, 9), stage(5, 3, 9)]}
+    assert matrix.planned_share(record) == pytest.approx(8 / 12)
+    assert matrix.planned_share({"rank": 0, "stages": [{"split": {}}]}) is None  # a fixed policy decides nothing
+
+
+def test_planned_spread_counts_reversals_in_the_second_half(matrix):
+    steady = [0.9] * 4 + [0.7, 0.7, 0.705, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7]
+    saw = [0.9] * 10 + [0.73, 0.76, 0.80, 0.73, 0.76, 0.80, 0.73, 0.76, 0.80, 0.73]
+    calm, swinging = matrix.planned_spread(steady), matrix.planned_spread(saw)
+    assert calm["reversals"] == 0 and calm["p90"] - calm["p10"] < 0.01
+    assert swinging["reversals"] >= 3 and swinging["p90"] - swinging["p10"] > 0.05
+    assert matrix.planned_spread([0.5, 0.6]) is None  # too short to say
