@@ -37,9 +37,10 @@ reads nothing of its memory; the other posts (step 1) and is done on the
 reader's REDUCED.
 
 A rank never writes into its peer's memory, so nothing a failed or confused
-peer does can reach this rank's buffers. A peer whose shape differs (a call
-that does not match: its fingerprint message brings the MismatchError) is
-never read from. After each read the reader checks that the peer's slot still
+peer does can reach this rank's buffers. A peer that called another
+operation is never read from: its fingerprint, compared in the segments
+before these steps advance (direct_ops.DirectShmAllReduceOp), brings the
+MismatchError, and the shape in its slot must match besides. After each read the reader checks that the peer's slot still
 shows the step it read at: a rank whose operation fails clears its slot
 (abandon) before its caller hears of it and may reuse the buffers, so a read
 that raced that reuse fails instead of completing with what it read. The
