@@ -40,11 +40,12 @@ A rank never writes into its peer's memory, so nothing a failed or confused
 peer does can reach this rank's buffers. A peer that called another
 operation is never read from: its fingerprint, compared in the segments
 before these steps advance (direct_ops.DirectShmAllReduceOp), brings the
-MismatchError, and the shape in its slot must match besides. After each read the reader checks that the peer's slot still
-shows the step it read at: a rank whose operation fails clears its slot
-(abandon) before its caller hears of it and may reuse the buffers, so a read
-that raced that reuse fails instead of completing with what it read. The
-operations that run these steps take the segments in turn (Engine.shm_holder),
+MismatchError, and the shape in its slot must match besides. After each
+read the reader checks that the peer's slot still shows the step it read
+at: a rank whose operation fails clears its slot (abandon) before its caller
+hears of it and may reuse the buffers, so a read that raced that reuse
+fails instead of completing with what it read. The operations that run
+these steps take the segments in turn (Engine.shm_holder),
 so a rank has one operation in its slot table at a time; the slots rotate so
 that a peer still in a failed operation finds that operation's slot cleared,
 not its successor's.

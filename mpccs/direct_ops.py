@@ -65,6 +65,8 @@ DIRECT_CMA_BLOCK_BYTES = (1 << 20, 128 << 20)
 # How long a rank that took the segments polls for its peer's fingerprint there
 # before it sleeps on the planes' events (DirectShmAllReduceOp).
 PEER_SPIN_S = 200e-6
+_NO_FINGERPRINT = np.zeros(2, np.uint64)  # fingerprints off: the meeting alone
+_DOORBELL = np.ones(1, np.uint8)  # what a doorbell carries: nothing that matters (sends only read it)
 DIRECT_POOL_PER_SIZE = 4  # reusable DirectBuffers kept per size (operations in flight at once)
 DIRECT_POOL_SIZES = 32  # sizes kept
 DIRECT_POOL_BYTES = 32 << 20  # and at most this much memory in them (medium buffers are up to ~2 MiB)
@@ -605,8 +607,6 @@ class DirectShmAllReduceOp(Operation):
         return out
 
 
-_NO_FINGERPRINT = np.zeros(2, np.uint64)  # fingerprints off: the meeting alone
-_DOORBELL = np.ones(1, np.uint8)  # what a doorbell carries: nothing that matters (sends only read it)
 class DirectShmBlocksOp(DirectShmAllReduceOp):
     """A 2-rank reduce_scatter, all_gather, all_to_all, broadcast or reduce of
     blocks in DIRECT_CMA_BLOCK_BYTES on a pair that reads across processes: each
