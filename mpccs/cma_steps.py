@@ -161,10 +161,7 @@ class CmaSteps:
     def _first_step(self, peer_src: int, peer_out: int) -> None:
         self.peer_out = peer_out
         if self.reduces:  # all_reduce, reduce_scatter, a reduce's root
-            if np.may_share_memory(self.mine_in, self.mine_out):
-                self._read_and_reduce_in_place(peer_src + self.src_offset)
-            else:
-                self._read_and_reduce_in_output(peer_src + self.src_offset)
+            self._read_and_reduce(peer_src + self.src_offset)
         else:  # all_gather, all_to_all, broadcast: the peer's block into its place, this rank's into its own
             self._read(self.theirs_out, peer_src + self.src_offset, SLOT_POSTED)
             if self.mine_out.ctypes.data != self.mine_in.ctypes.data:  # not in place
@@ -172,28 +169,22 @@ class CmaSteps:
         self.pair.post_slot(self.slot, SLOT_REDUCED, self.seq)
         self.phase = PEER_REDUCED
 
-    def _read_and_reduce_in_output(self, address: int) -> None:
-        """The peer's operand read into the output, READ_PART_BYTES at a time up to
-        READ_PARTS_MAX_OUT_BYTES (else whole), each part reduced there with this
-        rank's own before the next."""
-        mine, out, itemsize = self.mine_in, self.mine_out, self.mine_in.itemsize
-        step = max(1, READ_PART_BYTES // itemsize) if mine.nbytes <= READ_PARTS_MAX_OUT_BYTES else mine.size
-        for lo in range(0, mine.size, step):
-            part = out[lo:lo + step]
-            self._read(part, address + lo * itemsize, SLOT_POSTED)
-            self._reduce(part, mine[lo:lo + step], part)
-
-    def _read_and_reduce_in_place(self, address: int) -> None:
-        """The peer's operand through the kept buffer, READ_PART_BYTES at a time, each
-        part reduced into this rank's own (which is its output) before the next."""
+    def _read_and_reduce(self, address: int) -> None:
+        """The peer's operand of this rank's block, READ_PART_BYTES at a time, each part
+        reduced with this rank's own before the next: in place through the kept
+        buffer into its own operand (which is its output), out of place read into
+        the output and reduced there (a block above READ_PARTS_MAX_OUT_BYTES whole)."""
         mine, itemsize = self.mine_in, self.mine_in.itemsize
-        step = max(1, READ_PART_BYTES // itemsize)
-        scratch = self.scratch(min(mine.nbytes, step * itemsize)).view(mine.dtype)
+        in_place = np.may_share_memory(mine, self.mine_out)
+        whole = not in_place and mine.nbytes > READ_PARTS_MAX_OUT_BYTES
+        step = mine.size if whole else max(1, READ_PART_BYTES // itemsize)
+        dest = mine if in_place else self.mine_out
+        scratch = self.scratch(min(mine.nbytes, step * itemsize)).view(mine.dtype) if in_place else None
         for lo in range(0, mine.size, step):
-            part = mine[lo:lo + step]
-            incoming = scratch[:part.size]
+            part = dest[lo:lo + step]
+            incoming = part if scratch is None else scratch[:part.size]
             self._read(incoming, address + lo * itemsize, SLOT_POSTED)
-            self._reduce(part, part, incoming)
+            self._reduce(part, mine[lo:lo + step], incoming)
 
     def _reduce(self, out: np.ndarray, own: np.ndarray, incoming: np.ndarray) -> None:
         """out = in_0 op in_1: rank 0's operand on the left, as on every path."""
