@@ -639,15 +639,20 @@ def model_share(label: str, env: dict, policy: str, rank: int) -> float:
     return max(share, 1.0 - cap)
 
 
+def own_decisions(record: dict) -> list[dict]:
+    """The controller's record of the rank's own decision in each stage of one
+    operation (none under a fixed policy)."""
+    ranks = (((stage.get("split") or {}).get("ranks") or {}) for stage in record.get("stages", []))
+    return [mine for mine in (r.get(str(record["rank"])) for r in ranks) if mine]
+
+
 def planned_share(record: dict):
     """The share on 'up' the controller planned for this rank's own flows in one
     operation (its decision records, before chunk rounding and stealing), or None
     where no stage was decided (a fixed policy)."""
-    up = out = 0
-    for stage in record.get("stages", []):
-        mine = ((stage.get("split") or {}).get("ranks") or {}).get(str(record["rank"]))
-        if mine:
-            up, out = up + mine["bytes"]["up"], out + mine["bytes"]["out"]
+    decisions = own_decisions(record)
+    up = sum(d["bytes"]["up"] for d in decisions)
+    out = sum(d["bytes"]["out"] for d in decisions)
     return up / (up + out) if up + out else None
 
 
@@ -726,9 +731,7 @@ def analyse_series(raw: str, name: str) -> dict | None:
     by_seq = {}
     for r in big:
         bpp = r["bytes_per_plane"]
-        modes = sorted({(rk or {}).get("mode") for st in r.get("stages", [])
-                        for k, rk in ((st.get("split") or {}).get("ranks") or {}).items() if str(k) == str(r["rank"])}
-                       - {None})
+        modes = sorted({d.get("mode") for d in own_decisions(r)} - {None})
         by_seq.setdefault(r.get("seq"), {})[r["rank"]] = (bpp.get("up", 0) / sum(bpp.values()),
                                                            r.get("duration_s", 0), modes)
     classes = {"both ranks split": [], "one rank split": [], "neither (all on up)": []}
