@@ -142,6 +142,15 @@ def test_reduce_reads_into_the_root_in_rank_order(root, in_place):
     assert srcs[1 - root].tobytes() == ins[1 - root].tobytes()  # the other rank's input is only read
 
 
+def _count_reads(monkeypatch) -> list:
+    """The size of every cross-memory read from here on (the reads themselves still happen)."""
+    reads = []
+    real_read = cma_steps.cma.read_into
+    monkeypatch.setattr(cma_steps.cma, "read_into", lambda dst, pid, at: (reads.append(dst.nbytes),
+                                                                           real_read(dst, pid, at)))
+    return reads
+
+
 @pytest.mark.parametrize("in_place", [True, False])
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "reduce"])
 def test_reads_reduce_in_parts(monkeypatch, collective, in_place):
@@ -149,10 +158,7 @@ def test_reads_reduce_in_parts(monkeypatch, collective, in_place):
     part by part (in place through the kept buffer, else in the output): the same
     bits as whole, and with the reads counted."""
     monkeypatch.setattr(cma_steps, "READ_PART_BYTES", 4096)
-    reads = []
-    real_read = cma_steps.cma.read_into
-    monkeypatch.setattr(cma_steps.cma, "read_into", lambda dst, pid, at: (reads.append(dst.nbytes),
-                                                                           real_read(dst, pid, at)))
+    reads = _count_reads(monkeypatch)
     n = 10_001  # float32: 40 KiB, ten parts of 1024 elements and a short one
     ins = _operands(2 * n)
     whole = ins[0] + ins[1]
@@ -175,10 +181,7 @@ def test_large_blocks_out_of_place_are_read_whole(monkeypatch):
     """Out of place, a block above READ_PARTS_MAX_OUT_BYTES (lowered to 8 KiB) is read in one go."""
     monkeypatch.setattr(cma_steps, "READ_PART_BYTES", 4096)
     monkeypatch.setattr(cma_steps, "READ_PARTS_MAX_OUT_BYTES", 8192)
-    reads = []
-    real_read = cma_steps.cma.read_into
-    monkeypatch.setattr(cma_steps.cma, "read_into", lambda dst, pid, at: (reads.append(dst.nbytes),
-                                                                           real_read(dst, pid, at)))
+    reads = _count_reads(monkeypatch)
     n = 10_001
     ins = _operands(2 * n)
     outs = [np.empty(n, np.float32) for _ in range(2)]
