@@ -414,6 +414,46 @@ def test_broadcast_and_reduce_read_their_buffers_exactly(pool, policy):
         assert per_rank == [(c, "direct_shm", True) for c in ("broadcast", "reduce")] * 4, per_rank
 
 
+def reader_runs_ahead(comm):
+    """Broadcasts from rank 0 and reduces to rank 1, back to back, where the rank
+    that reads nothing (the broadcast's root, the reduce's non-root: rank 0 both
+    times) first looks for its peer 20 ms late in every call: by then the reader has
+    met it, read, finished and published its next call's fingerprint. (exact) per call."""
+    import time
+
+    from mpccs import direct_ops
+
+    meet = direct_ops.DirectShmAllReduceOp._meet_peer
+
+    def late_first_look(op):
+        if comm.rank == 0 and not getattr(op, "_looked", False):
+            op._looked = True
+            time.sleep(0.02)
+        return meet(op)
+
+    direct_ops.DirectShmAllReduceOp._meet_peer = late_first_look
+    exact = []
+    try:
+        for k in range(6):
+            buf = np.full(MIB // 4, comm.rank + k, np.float32)
+            comm.broadcast(buf, root=0)
+            exact.append(bool(np.all(buf == k)) and comm.last_stats()["algorithm"] == "direct_shm")
+            x = np.full(MIB // 4, comm.rank + 1, np.float32)
+            comm.reduce(x, op="sum", root=1)
+            exact.append(comm.rank == 0 or bool(np.all(x == 3)))
+    finally:
+        direct_ops.DirectShmAllReduceOp._meet_peer = meet
+    return exact
+
+
+def test_a_rank_that_reads_nothing_finds_its_peer_after_it_moved_on(pool):
+    """The fingerprints stay in a ring of entries, not one the reader overwrites with
+    its next call's (before, the late rank waited for the reader's entry of a call the
+    reader had finished, until the no-progress timeout)."""
+    for per_rank in pool.run(reader_runs_ahead, timeout=60):
+        assert per_rank == [True] * 12, per_rank
+
+
 @pytest.mark.parametrize("policy", ["up", "adaptive"])
 def test_all_to_all_reads_its_blocks_exactly(pool, policy):
     for per_rank in pool.run(all_to_all_blocks, policy):

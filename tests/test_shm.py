@@ -83,8 +83,10 @@ def test_a_rank_waits_for_its_peer_and_stale_flags_do_not_count():
 
 
 def test_fingerprints_and_waiting_flags_name_their_operation():
-    """A peer's fingerprint counts for the operation its flag names only; the
-    waiting flag likewise (the meeting at the start of DirectShmAllReduceOp)."""
+    """A peer's fingerprint counts for the operation its ring entry names only, and
+    stays readable after the peer published its next one (a broadcast's root may look
+    after the reader moved on); the waiting flag names its operation too (the meeting
+    at the start of DirectShmAllReduceOp)."""
     pairs = _pairs()
     words = np.array([0x1234, 1 << 40], np.uint64)
     assert pairs[1].peer_fingerprint(1) is None  # nothing published yet
@@ -92,7 +94,10 @@ def test_fingerprints_and_waiting_flags_name_their_operation():
     assert pairs[1].peer_fingerprint(1).tobytes() == words.tobytes()
     assert pairs[1].peer_fingerprint(2) is None  # operation 1's, not operation 2's
     pairs[0].post_fingerprint(words + 1, 2)
-    assert pairs[1].peer_fingerprint(1) is None and pairs[1].peer_fingerprint(2).tobytes() == (words + 1).tobytes()
+    assert pairs[1].peer_fingerprint(2).tobytes() == (words + 1).tobytes()
+    assert pairs[1].peer_fingerprint(1).tobytes() == words.tobytes()  # the next one did not overwrite it
+    pairs[0].post_fingerprint(words + 2, 1 + shm.FP_RING)  # the ring came round to operation 1's entry
+    assert pairs[1].peer_fingerprint(1) is None
     assert pairs[0].peer_fingerprint(2) is None  # a rank reads its peer's header, not its own
     assert not pairs[1].peer_waiting(3)
     pairs[0].post_waiting(3)

@@ -20,13 +20,17 @@ segments are opened on x86-64 only; the one exception to that order, the
 non-temporal stores a large memcpy may use, cannot pass a locked
 instruction, which post() executes (an uncontended lock) before the flag.
 
-Two more flags meet the peer at the start of a direct-path operation
-(direct_ops.DirectShmAllReduceOp): FLAG_FINGERPRINT, the operation whose
-fingerprint is in words WORD_FP (two words, written before the flag), and
-FLAG_WAITING, the operation for which this rank stopped polling the flags and
-sleeps on the planes' events until the peer rings (a UCX message). Each
-side stores its own flag, then fences, then loads the other's (Dekker's
-order): at least one of two ranks arriving together sees the other's.
+The ranks meet at the start of a direct-path operation
+(direct_ops.DirectShmAllReduceOp) by a ring of FP_RING fingerprint entries
+after the slot table (entry seq % FP_RING: the operation's two fingerprint
+words, then its sequence number, written last; a waiter tests ``==``) and a
+flag, FLAG_WAITING, the operation for which this rank stopped polling and
+sleeps on the planes' events until the peer rings (a UCX message). A ring,
+not one entry: a rank that reads nothing of its peer's (a broadcast's root)
+may look for the reader's entry after the reader finished and published its
+next operation's. Each side stores its own entry or flag, then fences, then
+loads the other's (Dekker's order): at least one of two ranks arriving
+together sees the other's.
 
 The header also holds this rank's process id and, for the direct path's
 cross-memory reads (cma_steps.py), a table of SLOTS slots of SLOT_WORDS
@@ -58,12 +62,13 @@ from . import cma
 OUTBOX_BYTES = 2 << 20  # the largest block exchanged this way (shm_steps.SHM_MAX_BLOCK_BYTES)
 HEADER_BYTES = 4096
 FLAG_POSTED, FLAG_TAKEN = 0, 1  # my block is in my outbox / I am done with my peer's outbox
-FLAG_FINGERPRINT, FLAG_WAITING = 2, 3  # my fingerprint for seq is in WORD_FP / I sleep until you ring for seq
+FLAG_WAITING = 3  # I sleep until you ring for seq
 # Header words: the owner's pid, a random cookie and the cookie's address in the owner's process
 # (what the peer's cross-memory read at set-up tries: _reads_by_cma).
 WORD_PID, WORD_COOKIE, WORD_COOKIE_AT = 8, 9, 10
-WORD_FP = 12  # header words 12 and 13: a fingerprint's two words (FLAG_FINGERPRINT)
 SLOTS_AT, SLOTS, SLOT_WORDS = 16, 32, 8  # the slot table: header words [16, 16 + 32 * 8)
+# The fingerprint ring: header words [272, 272 + 32 * 3); an entry's words: the fingerprint's two, its seq.
+FP_RING_AT, FP_RING, FP_WORDS = SLOTS_AT + SLOTS * SLOT_WORDS, 32, 3
 # A slot's words: the input's and the output's address, the call's shape, then the steps reached (cma_steps.py).
 SLOT_SRC, SLOT_OUT, SLOT_SHAPE, SLOT_POSTED, SLOT_REDUCED, SLOT_DONE = range(6)
 SHM_DIR = "/dev/shm"
@@ -83,7 +88,9 @@ class ShmPair:
         self.cma = cma
         own_header, peer_header = _header(own), _header(peer)
         self.own_flags, self.peer_flags = own_header[:8], peer_header[:8]
-        self.own_fp, self.peer_fp = own_header[WORD_FP:WORD_FP + 2], peer_header[WORD_FP:WORD_FP + 2]
+        ring = slice(FP_RING_AT, FP_RING_AT + FP_RING * FP_WORDS)
+        self.own_fp = own_header[ring].reshape(FP_RING, FP_WORDS)
+        self.peer_fp = peer_header[ring].reshape(FP_RING, FP_WORDS)
         self.peer_pid = int(peer_header[WORD_PID])
         self.own_slots = own_header[SLOTS_AT:SLOTS_AT + SLOTS * SLOT_WORDS].reshape(SLOTS, SLOT_WORDS)
         self.peer_slots = peer_header[SLOTS_AT:SLOTS_AT + SLOTS * SLOT_WORDS].reshape(SLOTS, SLOT_WORDS)
@@ -102,23 +109,26 @@ class ShmPair:
         self.own_flags[flag] = seq
 
     def post_fingerprint(self, words: np.ndarray, seq: int) -> None:
-        """Publish this rank's fingerprint (two uint64 words) for operation ``seq``;
-        fenced after too: the caller loads the peer's FLAG_WAITING next."""
-        self.own_fp[:] = words.view(np.int64)
-        self.post(FLAG_FINGERPRINT, seq)
+        """Publish this rank's fingerprint (two uint64 words) for operation ``seq``
+        in its ring entry; fenced after too: the caller loads the peer's FLAG_WAITING next."""
+        entry = self.own_fp[seq % FP_RING]
+        entry[:2] = words.view(np.int64)
+        self._fence_stores()
+        entry[2] = seq
         self._fence_stores()
 
     def peer_fingerprint(self, seq: int) -> Optional[np.ndarray]:
         """The peer's fingerprint for operation ``seq`` (its two words as bytes), or None
-        while its flag names another operation. The words stay until the peer's next
-        operation through the segments, which needs this rank's part of this one."""
-        if int(self.peer_flags[FLAG_FINGERPRINT]) != seq:
+        while its entry holds another operation's. The entry stays for FP_RING of the
+        peer's operations; it is at most one ahead (it meets this rank's entry in each)."""
+        entry = self.peer_fp[seq % FP_RING]
+        if int(entry[2]) != seq:
             return None
-        return self.peer_fp.view(np.uint8)
+        return entry[:2].view(np.uint8)
 
     def post_waiting(self, seq: int) -> None:
         """Tell the peer that this rank sleeps until it rings for operation ``seq``;
-        fenced after: the caller loads the peer's FLAG_FINGERPRINT next."""
+        fenced after: the caller loads the peer's fingerprint entry next."""
         self.post(FLAG_WAITING, seq)
         self._fence_stores()
 
