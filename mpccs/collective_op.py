@@ -388,7 +388,8 @@ class CollectiveOp(Operation):
         key = tuple((f.dst, n) for f, n in sized)
         memo = self._plan_memo.get(key)
         if memo is None:
-            plan = self.splitter.plan(sized, now, self.plan_chunk_elems * self.itemsize, others, self.epoch)
+            plan = self.splitter.plan(sized, now, self.plan_chunk_elems * self.itemsize, others, self.epoch,
+                                      lambda f: self._flow_chunk_elems(f) * self.itemsize)
             self._plan_memo[key] = (plan, [plan.splits[f.id] for f, _ in sized])
             return plan
         first, ordered = memo

@@ -9,7 +9,7 @@ learns from. Used by collective operations and point-to-point alike.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -129,13 +129,15 @@ class Splitter:
         return all(p.completion_means_delivery for p in self.planes.values())
 
     def plan(self, flows: list[tuple[Flow, int]], now: float, chunk_bytes: Optional[int] = None,
-             others: tuple = (), epoch: Optional[int] = None) -> StagePlan:
+             others: tuple = (), epoch: Optional[int] = None,
+             quantum_of: Optional[Callable[[Flow], int]] = None) -> StagePlan:
         """flows: (flow, nbytes) this rank sends in the stage; others: the
         stage's flows from other ranks, which the controller splits together
-        with ours (the coflow) from their piggybacked estimates."""
+        with ours (the coflow) from their piggybacked estimates; quantum_of:
+        a flow's chunk length in bytes, the step its split moves in."""
         if self.policy == "adaptive" and self.controller is not None:
             if sum(n for _, n in flows) >= self.controller.config.min_multipath_bytes:
-                return self._adaptive(flows, now, chunk_bytes, others, epoch)
+                return self._adaptive(flows, now, chunk_bytes, others, epoch, quantum_of)
             # Too small for a second plane to pay (the controller would say the
             # same, at the cost of a decision): the configured single plane.
             splits = {f.id: FlowSplit(nbytes, False) for f, nbytes in flows}
@@ -155,7 +157,7 @@ class Splitter:
         # 'up', and 'adaptive' without a controller: the single-plane default.
         return FlowSplit(nbytes, False)
 
-    def _adaptive(self, flows, now, chunk_bytes, others=(), epoch=None) -> StagePlan:
+    def _adaptive(self, flows, now, chunk_bytes, others=(), epoch=None, quantum_of=None) -> StagePlan:
         key = (tuple((f.dst, n) for f, n in flows), chunk_bytes)
         cached = None
         if self.cache is not None:
@@ -171,7 +173,7 @@ class Splitter:
         if cached is not None:
             splits = {f.id: s for (f, _), s in zip(flows, cached.splits)}
             return StagePlan(splits, cached.window_bytes, {**cached.reason, "reused": cached.uses}, key)
-        plan = self._decide(flows, now, chunk_bytes, others, epoch)
+        plan = self._decide(flows, now, chunk_bytes, others, epoch, quantum_of)
         mine = str(flows[0][0].src) if flows else None
         mode = plan.reason.get("ranks", {}).get(mine, {}).get("mode")
         if self.cache is not None and mode not in ("probe", "check"):
@@ -184,14 +186,15 @@ class Splitter:
             plan.cache_key = key
         return plan
 
-    def _decide(self, flows, now, chunk_bytes, others=(), epoch=None) -> StagePlan:
+    def _decide(self, flows, now, chunk_bytes, others=(), epoch=None, quantum_of=None) -> StagePlan:
         from .control import FlowDemand
 
         demands = []
         for f, nbytes in flows:
             up_ok, out_ok = self.reach(f.dst)
             planes = tuple(p for p, ok in ((UP, up_ok), (OUT, out_ok)) if ok)
-            demands.append(FlowDemand(flow_id=f.id, src=f.src, dst=f.dst, nbytes=nbytes, planes=planes))
+            demands.append(FlowDemand(flow_id=f.id, src=f.src, dst=f.dst, nbytes=nbytes, planes=planes,
+                                      quantum_bytes=quantum_of(f) if quantum_of else 0))
         mine = flows[0][0].src if flows else None
         for f, nbytes in others:
             # Another rank's flow: the planes it can use, as far as this rank can

@@ -15,6 +15,7 @@ from mpccs.algorithms.schedule import Topology
 from mpccs.control import (ControlConfig, FlowDemand, PathController, PathEstimator, PathModel, SplitFlow,
                            StageDecision, equal_finish, greedy_per_flow, solve_coflow, window_bytes)
 from mpccs.control import qos
+from mpccs.control.estimator import SUPERLINEAR_MEMORY_S
 from mpccs.control.synthetic import Driver, SyntheticLink, SyntheticPlanes
 from mpccs.control.tuner import ALGORITHMS, Plan, choose, parse_size, parse_tune, tune_from_env
 
@@ -168,6 +169,84 @@ def test_estimator_idle_samples_ignore_one_fast_outlier():
         est.add(n, t, t + latency, t - 1e-3)
         t += latency + 1e-3
     assert est.estimate(t).rate_Bps == pytest.approx(2 * b, rel=0.05)
+
+
+def queued_link_samples(est, sizes, t=0.0, headroom=0.7e6, rate=25e6):
+    """Idle-start samples of a link whose latency grows faster than size: a
+    queue absorbs ``headroom`` bytes, the rest drains at ``rate`` (testbed, a
+    paced flow taking half of a 62.5 MB/s link: 1.5 MiB stages read ~45 MB/s,
+    2 MiB ones ~35)."""
+    for n in sizes:
+        done = t + max(n - headroom, 0.1 * n) / rate
+        est.add(n, t, done, None)
+        t = done + 0.06
+    return t
+
+
+def test_a_link_slower_per_byte_for_larger_transfers_is_planned_at_their_rate():
+    est = PathEstimator(prior_latency_s=30e-6)
+    small, large = 1536 * KiB, 2 * MiB
+    rate_of = {n: n / ((n - 0.7e6) / 25e6) for n in (small, large)}
+    t = queued_link_samples(est, [small] * 6)
+    # One size: nothing to compare, the rate it reads
+    assert est.rate(t) == pytest.approx(rate_of[small], rel=0.01)
+    t = queued_link_samples(est, [large] * 2 + [small] * 4, t)
+    # Both sizes in the samples: the larger transfers' rate, not the latest five's
+    assert est.rate(t) == pytest.approx(rate_of[large], rel=0.01)
+    # The larger transfers leave the age window (2 s) and are remembered as a
+    # ratio to the smaller ones' rate ...
+    t = queued_link_samples(est, [small] * 30, t)
+    assert all(n == small for _, _, n in est._fresh(est._clean_delays, t))
+    assert est.rate(t) == pytest.approx(rate_of[large], rel=0.01)
+    # ... that follows the smaller ones as they speed up (1.2x: no step) ...
+    t = queued_link_samples(est, [small] * 5, t, rate=30e6)
+    assert est.regime_changes == 0
+    assert est.rate(t) == pytest.approx(1.2 * rate_of[large], rel=0.01)
+    # ... is forgotten at a step (the load went: twice as fast) ...
+    t = queued_link_samples(est, [small] * 3, t, rate=60e6)
+    assert (est.step_ups, est.step_downs) == (1, 0)
+    assert est.rate(t) == pytest.approx(2.4 * rate_of[small], rel=0.01)
+    # ... and is forgotten after SUPERLINEAR_MEMORY_S
+    est = PathEstimator(prior_latency_s=30e-6)
+    t = queued_link_samples(est, [large] * 3 + [small] * 3)
+    assert est.rate(t) == pytest.approx(rate_of[large], rel=0.01)
+    t = queued_link_samples(est, [small] * 5, t + SUPERLINEAR_MEMORY_S)
+    assert est.rate(t) == pytest.approx(rate_of[small], rel=0.01)
+
+
+def test_a_link_whose_latency_grows_with_size_keeps_its_rate():
+    # Latency a + n / B at mixed sizes (1.2-1.5x apart): the line meets zero size
+    # above zero, so the larger transfers set nothing apart.
+    est, b = PathEstimator(prior_latency_s=30e-6), 62.5e6
+    t = 0.0
+    for n in [3 * MiB, 4 * MiB, 5 * MiB / 1.2, 3 * MiB, 4 * MiB, 5 * MiB / 1.2]:
+        done = t + 2e-3 + n / b
+        est.add(int(n), t, done, None)
+        t = done + 0.05
+    assert est._larger is None
+    # the prior delay (30 us) is removed, not the real 2 ms: within 10% of the rate
+    assert 0.9 * b <= est.rate(t) <= b
+
+
+def test_a_split_lands_on_the_whole_chunk_the_model_finishes_sooner_and_stays_there():
+    # 'up' 130 MB/s, 'out' 37 MB/s: the equal finish puts 1.83 MiB of 8 on 'out',
+    # nearer 2 MiB (4 chunks of 512 KiB) than 1.5 MiB, but with 2 MiB 'out'
+    # finishes last (56.7 ms) while with 1.5 MiB 'up' does, sooner (52.4 ms).
+    n, chunk = 8 * MiB, 512 * KiB
+    cfg = ControlConfig(prior_rate_Bps={"up": 130e6, "out": 37e6}, prior_delay_s={"up": 0.0, "out": 0.0})
+    flow = FlowDemand(0, 0, 1, n, BOTH, quantum_bytes=chunk)
+    ctl = PathController(cfg, rank=0)
+    d = ctl.decide([flow], now=0.0, chunk_bytes=chunk, align=4096)
+    assert d.out_bytes(flow) == 3 * chunk
+    # Without the chunk length: the model's bytes, aligned
+    d = PathController(cfg, rank=0).decide([FlowDemand(0, 0, 1, n, BOTH)], now=0.0, chunk_bytes=chunk)
+    assert d.out_bytes(flow) == pytest.approx(n * 37 / 167, abs=4096)
+    # 'out' a little faster (40 MB/s): 2 MiB now predicted 1% sooner, inside the
+    # hysteresis band, so the split stays on 1.5 MiB; at 45 MB/s it moves.
+    for rate, want in ((40e6, 3 * chunk), (45e6, 4 * chunk)):
+        ctl.config.prior_rate_Bps["out"] = rate
+        ctl.estimator.prior_rate_Bps["out"] = rate
+        assert ctl.decide([flow], now=0.0, chunk_bytes=chunk, align=4096).out_bytes(flow) == want
 
 
 def test_window_formula():

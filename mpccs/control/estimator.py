@@ -55,6 +55,64 @@ STRONG_STEP_SAMPLES = 2
 STRONG_STEP_RATIO = 0.6
 
 
+# A link whose latency grows faster than the transfer (a competing flow's
+# backlog, a token bucket, a queue that absorbs a small transfer and not a
+# larger one) reads faster at the size it carries now than at a larger one.
+# Testbed, a paced flow taking half of a 62.5 MB/s link: per-stage samples of
+# 1.5 MiB read 45-54 MB/s once the queue drained, of 2 MiB 32-44 as it built,
+# so the split planned at 1.5 MiB moved 2 MiB to 'out', where the rate fell
+# and the plan moved back: a saw-tooth of the share every ~7 operations, the
+# slower step 5-25% slower. When the recent idle-start samples differ in size
+# by at least this ratio and the line through (size, latency) meets zero size
+# below zero, the plane is planned at the lower of its recent rate and the
+# rate of its largest recent transfers (those within LARGE_GROUP_RATIO of the
+# largest): a split that moves toward them will be timed by them. Their
+# rate, as a ratio to the smaller transfers' rate, is remembered for
+# SUPERLINEAR_MEMORY_S after they leave the samples' age window (until a step
+# is seen): forgotten with them after 2 s, the split went back to the larger
+# size every 2-3 s for 3-5 operations. A ratio, not a rate: when the load
+# goes, the smaller transfers speed up and the remembered rate with them
+# (held as a rate, it kept the split off the freed link for ~1 s).
+SUPERLINEAR_MIN_SIZE_RATIO = 1.2
+LARGE_GROUP_RATIO = 1.1
+SUPERLINEAR_MEMORY_S = 8.0
+
+
+def _lower_median_rate(samples: list, delay_s: float) -> float:
+    """The lower middle of the samples' rates with ``delay_s`` removed."""
+    rates = sorted(_idle_rate(x, delay_s) for x in samples)
+    return rates[(len(rates) - 1) // 2]
+
+
+def _line(samples: list) -> Optional[tuple[float, float]]:
+    """Least-squares (intercept, slope) of latency against size, None when all sizes are equal."""
+    m = len(samples)
+    mean_n = sum(n for _, _, n in samples) / m
+    mean_l = sum(lat for _, lat, _ in samples) / m
+    var = sum((n - mean_n) ** 2 for _, _, n in samples)
+    if var <= 0:
+        return None
+    slope = sum((n - mean_n) * (lat - mean_l) for _, lat, n in samples) / var
+    return mean_l - slope * mean_n, slope
+
+
+def _size_groups(samples: list) -> tuple[int, list, list]:
+    """(largest size, the latest samples within LARGE_GROUP_RATIO of it, the latest of the others)."""
+    largest = max(n for _, _, n in samples)
+    larger = [x for x in samples if x[2] * LARGE_GROUP_RATIO >= largest]
+    smaller = [x for x in samples if x[2] * LARGE_GROUP_RATIO < largest]
+    return largest, larger[-IDLE_RATE_SAMPLES:], smaller[-IDLE_RATE_SAMPLES:]
+
+
+def _superlinear(samples: list) -> bool:
+    """Latency grows faster than size across the samples (see SUPERLINEAR_MIN_SIZE_RATIO)."""
+    sizes = [n for _, _, n in samples]
+    if len(samples) < 3 or max(sizes) < SUPERLINEAR_MIN_SIZE_RATIO * min(sizes):
+        return False
+    line = _line(samples)
+    return line is not None and line[1] > 0 and line[0] < 0
+
+
 def _idle_rate(sample: tuple, delay_s: float) -> float:
     """Rate of one idle-start sample (t_done, latency, nbytes) with ``delay_s`` removed."""
     _, lat, n = sample
@@ -116,6 +174,10 @@ class PathEstimator:
         self.drop_rounds = max(1, -(-drop_samples // self.round_samples))
         self.step_downs = 0
         self.step_ups = 0
+        # (t, size, their rate / the smaller ones' rate) of the largest recent
+        # transfers while latency grew faster than size (see
+        # SUPERLINEAR_MIN_SIZE_RATIO), else None
+        self._larger: Optional[tuple[float, int, float]] = None
         self._version = 0
         self._cache = None
 
@@ -129,6 +191,7 @@ class PathEstimator:
         if idle_start:
             self._clean_delays.append((t_done, latency, nbytes))
             self._idle_step()
+            self._note_larger(t_done)
         start = t_post if prev_done is None else max(t_post, prev_done)
         elapsed = t_done - start
         if elapsed <= _MIN_ELAPSED_S:
@@ -184,7 +247,34 @@ class PathEstimator:
                 continue
             self._clean_delays.clear()
             self._clean_delays.extend(recent)
+            self._larger = None
             return
+
+    def _note_larger(self, now: float) -> None:
+        """Remember the rate of the largest recent transfers while the fresh
+        idle-start samples grow superlinearly (see SUPERLINEAR_MIN_SIZE_RATIO)."""
+        fresh = [x for x in self._clean_delays if now - x[0] <= self.max_age_s]
+        if not _superlinear(fresh):
+            return
+        a = self._fit_delay(fresh)
+        largest, larger, smaller = _size_groups(fresh)
+        ratio = _lower_median_rate(larger, a) / _lower_median_rate(smaller, a)
+        self._larger = (now, largest, ratio)
+
+    def _larger_rate(self, clean: list, a: float, now: Optional[float]) -> Optional[float]:
+        """The rate of the largest recent transfers where latency grows faster
+        than size: measured, while the samples hold them, else remembered as a
+        ratio to the smaller ones' rate (see SUPERLINEAR_MIN_SIZE_RATIO)."""
+        if _superlinear(clean):
+            return _lower_median_rate(_size_groups(clean)[1], a)
+        if self._larger is None or not clean:
+            return None
+        t, largest, ratio = self._larger
+        if now is not None and now - t > SUPERLINEAR_MEMORY_S:
+            return None
+        if max(n for _, _, n in clean) * LARGE_GROUP_RATIO >= largest:
+            return None  # the samples hold transfers that large: they tell
+        return ratio * _lower_median_rate(clean[-IDLE_RATE_SAMPLES:], a)
 
     def _forget_after_step_down(self) -> None:
         rounds = list(self._rounds)
@@ -222,11 +312,11 @@ class PathEstimator:
         p = self._pending
         pending = p[0] / p[1] if p[2] and (now is None or now - p[3] <= self.max_age_s) else None
         fresh = _Fresh(self._fresh(self._rounds, now), pending, p[2],
-                       self._fresh(self._clean_delays, now), self._fresh(self._delays, now))
+                       self._fresh(self._clean_delays, now), self._fresh(self._delays, now), now=now)
         if fresh.rounds or fresh.clean or fresh.delays or pending is not None or not self._delays:
             return fresh
         return _Fresh(list(self._rounds)[-STALE_ROUNDS:], None, 0, list(self._clean_delays)[-IDLE_RATE_SAMPLES:],
-                      list(self._delays)[-IDLE_RATE_SAMPLES:], stale=True)
+                      list(self._delays)[-IDLE_RATE_SAMPLES:], stale=True, now=now)
 
     @staticmethod
     def _full_rate(fresh: "_Fresh") -> Optional[float]:
@@ -246,10 +336,10 @@ class PathEstimator:
         per-sample rates with that delay removed.
         """
         if fresh.idle_model is _UNSET:
-            fresh.idle_model = self._fit_idle_only(fresh.clean)
+            fresh.idle_model = self._fit_idle_only(fresh.clean, fresh.now)
         return fresh.idle_model
 
-    def _fit_idle_only(self, clean: list) -> Optional[tuple[float, float]]:
+    def _fit_idle_only(self, clean: list, now: Optional[float] = None) -> Optional[tuple[float, float]]:
         if not clean:
             return None
         a = self._fit_delay(clean)
@@ -264,20 +354,21 @@ class PathEstimator:
         # middle: one stage whose data waited in the buffers beside a real step
         # up read 3.7 GB/s on a 35 MB/s testbed link, and the upper middle put
         # 35% of a stage on it (that operation took 1.8x the others).
-        recent = clean[-IDLE_RATE_SAMPLES:]
-        rates = sorted(n / max(lat - a, 0.1 * lat) for _, lat, n in recent)
-        return rates[(len(rates) - 1) // 2], min(a, min(lat for _, lat, _ in clean))
+        #
+        # Where latency grew faster than size (_superlinear), the rate is the
+        # lower of that and the rate of the largest recent transfers: see
+        # SUPERLINEAR_MIN_SIZE_RATIO.
+        rate = _lower_median_rate(clean[-IDLE_RATE_SAMPLES:], a)
+        larger = self._larger_rate(clean, a, now)
+        if larger is not None:
+            rate = min(rate, larger)
+        return rate, min(a, min(lat for _, lat, _ in clean))
 
     def _fit_delay(self, clean: list) -> float:
         """The fixed delay: a least-squares line through (size, latency) when sizes are at least 2x apart, else the prior."""
         sizes = [n for _, _, n in clean]
         if max(sizes) >= 2 * min(sizes):
-            m = len(clean)
-            mean_n = sum(sizes) / m
-            mean_l = sum(lat for _, lat, _ in clean) / m
-            var = sum((n - mean_n) ** 2 for n in sizes)
-            slope = sum((n - mean_n) * (lat - mean_l) for _, lat, n in clean) / var
-            a = mean_l - slope * mean_n
+            a, slope = _line(clean)
             if slope > 0 and a >= 0:
                 return a
         return self.prior_latency_s
@@ -334,7 +425,10 @@ class PathEstimator:
             if fresh.pending_rate is not None:
                 times.append(self._pending[3])
             oldest = math.inf if fresh.stale else min(times, default=math.inf)  # stale: until the next sample
-            self._cache = (self._version, oldest + self.max_age_s, est)
+            expires = oldest + self.max_age_s
+            if self._larger is not None:
+                expires = min(expires, self._larger[0] + SUPERLINEAR_MEMORY_S)
+            self._cache = (self._version, expires, est)
         return est
 
     def _compute(self, fresh: "_Fresh") -> Optional[PathEstimate]:
@@ -361,6 +455,7 @@ class _Fresh:
     clean: list
     delays: list
     stale: bool = False  # nothing was inside the age window: the newest samples stand in
+    now: Optional[float] = None
     idle_model: object = _UNSET  # _idle_only_model's fit, computed at most once
 
 

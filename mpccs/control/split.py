@@ -38,6 +38,9 @@ class FlowDemand:
     dst: int
     nbytes: int
     planes: tuple[str, ...]  # ("up", "out") inside a domain, ("out",) across domains
+    # The flow's chunk length: a split lands on whole chunks (windows.boundary_for),
+    # so the controller picks the faster neighbouring multiple. 0: not known.
+    quantum_bytes: int = 0
 
 
 @dataclass(frozen=True)
