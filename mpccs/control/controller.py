@@ -698,7 +698,6 @@ class PathController:
         kept 31% of its bytes on the loaded one)."""
         self.estimator.observe(sender, plane, self.rank, nbytes, t_start, t_last, port=self.rank)
 
-
     def on_stage(self, decision: StageDecision, t_start: float, t_end: float,
                  bytes_by_plane: Mapping[str, int], rank: Optional[int] = None,
                  received_by_plane: Optional[Mapping[str, int]] = None) -> None:

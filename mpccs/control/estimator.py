@@ -86,14 +86,18 @@ def _lower_median_rate(samples: list, delay_s: float) -> float:
 
 def _line(samples: list) -> Optional[tuple[float, float]]:
     """Least-squares (intercept, slope) of latency against size, None when all sizes are equal."""
-    m = len(samples)
-    mean_n = sum(n for _, _, n in samples) / m
-    mean_l = sum(lat for _, lat, _ in samples) / m
-    var = sum((n - mean_n) ** 2 for _, _, n in samples)
-    if var <= 0:
+    m = sn = sl = snn = snl = 0.0
+    for _, lat, n in samples:  # one pass: this runs for every idle-start sample (_note_larger)
+        m += 1
+        sn += n
+        sl += lat
+        snn += n * n
+        snl += n * lat
+    var = snn - sn * sn / m
+    if var <= 1e-9 * snn:
         return None
-    slope = sum((n - mean_n) * (lat - mean_l) for _, lat, n in samples) / var
-    return mean_l - slope * mean_n, slope
+    slope = (snl - sn * sl / m) / var
+    return (sl - slope * sn) / m, slope
 
 
 def _size_groups(samples: list) -> tuple[int, list, list]:
@@ -106,9 +110,11 @@ def _size_groups(samples: list) -> tuple[int, list, list]:
 
 def _superlinear(samples: list) -> bool:
     """Latency grows faster than size across the samples (see SUPERLINEAR_MIN_SIZE_RATIO)."""
-    sizes = [n for _, _, n in samples]
-    if len(samples) < 3 or max(sizes) < SUPERLINEAR_MIN_SIZE_RATIO * min(sizes):
+    if len(samples) < 3:
         return False
+    sizes = [n for _, _, n in samples]
+    if max(sizes) < SUPERLINEAR_MIN_SIZE_RATIO * min(sizes):
+        return False  # the common case: one size, no line to fit
     line = _line(samples)
     return line is not None and line[1] > 0 and line[0] < 0
 
@@ -174,10 +180,10 @@ class PathEstimator:
         self.drop_rounds = max(1, -(-drop_samples // self.round_samples))
         self.step_downs = 0
         self.step_ups = 0
-        # (t, size, their rate / the smaller ones' rate) of the largest recent
-        # transfers while latency grew faster than size (see
-        # SUPERLINEAR_MIN_SIZE_RATIO), else None
-        self._larger: Optional[tuple[float, int, float]] = None
+        # (t, size, rate, rate / the smaller ones' rate) of the largest recent
+        # transfers when latency last grew faster than size across the fresh
+        # samples (see SUPERLINEAR_MIN_SIZE_RATIO), else None
+        self._larger: Optional[tuple[float, int, float, float]] = None
         self._version = 0
         self._cache = None
 
@@ -258,22 +264,24 @@ class PathEstimator:
             return
         a = self._fit_delay(fresh)
         largest, larger, smaller = _size_groups(fresh)
-        ratio = _lower_median_rate(larger, a) / _lower_median_rate(smaller, a)
-        self._larger = (now, largest, ratio)
+        rate = _lower_median_rate(larger, a)
+        self._larger = (now, largest, rate, rate / _lower_median_rate(smaller, a))
 
     def _larger_rate(self, clean: list, a: float, now: Optional[float]) -> Optional[float]:
         """The rate of the largest recent transfers where latency grows faster
-        than size: measured, while the samples hold them, else remembered as a
-        ratio to the smaller ones' rate (see SUPERLINEAR_MIN_SIZE_RATIO)."""
-        if _superlinear(clean):
-            return _lower_median_rate(_size_groups(clean)[1], a)
+        than size: as measured when the latest sample showed it, else, once
+        they have left the samples, as a ratio to the smaller ones' rate (see
+        SUPERLINEAR_MIN_SIZE_RATIO). Worked out when a sample arrives
+        (_note_larger), not per query: the engine asks for estimates far more
+        often than samples come."""
         if self._larger is None or not clean:
             return None
-        t, largest, ratio = self._larger
+        t, largest, rate, ratio = self._larger
         if now is not None and now - t > SUPERLINEAR_MEMORY_S:
             return None
         if max(n for _, _, n in clean) * LARGE_GROUP_RATIO >= largest:
-            return None  # the samples hold transfers that large: they tell
+            # the samples hold transfers that large: they tell, superlinear or not
+            return rate if t == clean[-1][0] else None
         return ratio * _lower_median_rate(clean[-IDLE_RATE_SAMPLES:], a)
 
     def _forget_after_step_down(self) -> None:
@@ -426,8 +434,8 @@ class PathEstimator:
                 times.append(self._pending[3])
             oldest = math.inf if fresh.stale else min(times, default=math.inf)  # stale: until the next sample
             expires = oldest + self.max_age_s
-            if self._larger is not None:
-                expires = min(expires, self._larger[0] + SUPERLINEAR_MEMORY_S)
+            if self._larger is not None and self._larger[0] + SUPERLINEAR_MEMORY_S > now:
+                expires = min(expires, self._larger[0] + SUPERLINEAR_MEMORY_S)  # the memory's end
             self._cache = (self._version, expires, est)
         return est
 
