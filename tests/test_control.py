@@ -241,9 +241,11 @@ def test_a_split_lands_on_the_whole_chunk_the_model_finishes_sooner_and_stays_th
     # Without the chunk length: the model's bytes, aligned
     d = PathController(cfg, rank=0).decide([FlowDemand(0, 0, 1, n, BOTH)], now=0.0, chunk_bytes=chunk)
     assert d.out_bytes(flow) == pytest.approx(n * 37 / 167, abs=4096)
-    # 'out' a little faster (40 MB/s): 2 MiB now predicted 1% sooner, inside the
-    # hysteresis band, so the split stays on 1.5 MiB; at 45 MB/s it moves.
-    for rate, want in ((40e6, 3 * chunk), (45e6, 4 * chunk)):
+    # 'out' faster (40 MB/s): 2 MiB now predicted 8% sooner (one chunk of 'up'),
+    # inside chunk_hysteresis, so the split stays on 1.5 MiB; at 60 MB/s the
+    # target (2.53 MiB) is past 2 MiB, 1.5 MiB is no longer one of its
+    # neighbours, and the split moves to the faster of 2.5 and 3 MiB.
+    for rate, want in ((40e6, 3 * chunk), (60e6, 5 * chunk)):
         ctl.config.prior_rate_Bps["out"] = rate
         ctl.estimator.prior_rate_Bps["out"] = rate
         assert ctl.decide([flow], now=0.0, chunk_bytes=chunk, align=4096).out_bytes(flow) == want
