@@ -555,8 +555,9 @@ class PathController:
         flip between them: with 0.05 the loaded rank still moved to the other
         boundary and back 7-9 times in ~86 operations, with 0.10 1-3 times
         (testbed series, alternating runs). A boundary two chunks off the
-        target is never kept, so the cost is bounded by one chunk and 10%. Only a regular multipath split moves; probes and
-        checks keep their measured amounts.
+        target is never kept, so the cost is bounded by one chunk and 10%.
+        Only a regular multipath split moves; probes and checks keep their
+        measured amounts.
         """
         q, n = f.quantum_bytes, f.nbytes
         if q <= 0 or n < 2 * q or mode.kind != "multipath" or len(allowed) < 2 or not 0 < out < n:
