@@ -506,7 +506,7 @@ class PathController:
         n = f.nbytes
         if n <= 0 or not qos.is_borrowable(f) or n < cfg.min_multipath_bytes:
             return target_out, True
-        key = (f.src, f.dst, int(math.log2(n)))
+        key = _size_class(f)
         if mode.kind in ("check", "probe", "single"):
             return target_out, True
         target = target_out / n
@@ -568,7 +568,7 @@ class PathController:
         def flow_time(x: float) -> float:
             return max(links["up"].time(n - x), links["out"].time(x))
 
-        key = (f.src, f.dst, int(math.log2(n)))
+        key = _size_class(f)
         best = min(candidates, key=lambda x: (flow_time(x), abs(x - out)))
         prev = self._boundaries.get(key)
         if prev in candidates and flow_time(prev) <= flow_time(best) * (1 + self.config.chunk_hysteresis):
@@ -1262,6 +1262,11 @@ def _models(ports: Mapping[int, Mapping[str, PathEstimate]],
     def rate(p, e):
         return min(e.rate_Bps, out_rate_max) if p == "out" and out_rate_max is not None else e.rate_Bps
     return {s: {p: PathModel(rate(p, e), e.latency_s) for p, e in pe.items()} for s, pe in ports.items()}
+
+
+def _size_class(f: FlowDemand) -> tuple[int, int, int]:
+    """(src, dst, size class 2^k): what a flow's remembered share and chunk boundary are kept under."""
+    return f.src, f.dst, int(math.log2(f.nbytes))
 
 
 def _aligned_up_bytes(nbytes: int, out: float, cap: int, align: int) -> int:
