@@ -5,6 +5,7 @@ per-chunk rate noise uniform in +-10 %.
 """
 import json
 import math
+import statistics
 
 import numpy as np
 import pytest
@@ -609,12 +610,14 @@ def test_export_merge_gives_every_rank_the_same_decision():
         ctls[0].merge_estimates(1, blobs[1][:-3])
 
 
-def two_rank_stage(ctls, planes, flows, now, engine_feedback=True):
+def two_rank_stage(ctls, planes, flows, now, engine_feedback=True, epoch=None, stage_ends_together=False):
     """Both ranks decide the stage; each runs its own flows (its decision is
     authoritative for them) and learns from the result: the engine's delivery
     samples at the receiver, or (``engine_feedback=False``) the simulator's
-    sender completions."""
-    d0, d1 = (c.decide(flows, now) for c in ctls)
+    sender completions. ``stage_ends_together``: each rank's stage time is the
+    stage's (it waits for what it receives, as in the engine), with the bytes
+    it received per plane."""
+    d0, d1 = (c.decide(flows, now, epoch=epoch) for c in ctls)
     d = StageDecision({0: d0.up_bytes[0], 1: d1.up_bytes[1]}, d0.window_bytes, True,
                       {0: d0.out_cap_bytes[0], 1: d1.out_cap_bytes[1]}, {})
     res = planes.run_stage(d, flows, now, 512 * KiB)
@@ -624,7 +627,12 @@ def two_rank_stage(ctls, planes, flows, now, engine_feedback=True):
         for ev in res.chunks:
             ctls[ev.src].on_chunk(ev.plane, ev.dst, ev.nbytes, ev.t_post, ev.t_done)
     for src, t_end in res.t_end_by_src.items():
-        ctls[src].on_stage(d0 if src == 0 else d1, now, t_end, res.bytes_by_src[src])
+        if stage_ends_together:
+            received = {p: sum(ev.nbytes for ev in res.chunks if ev.dst == src and ev.plane == p) for p in BOTH}
+            ctls[src].on_stage(d0 if src == 0 else d1, now, res.t_end, res.bytes_by_src[src],
+                               received_by_plane=received)
+        else:
+            ctls[src].on_stage(d0 if src == 0 else d1, now, t_end, res.bytes_by_src[src])
     return d0, d1, res
 
 
@@ -1062,6 +1070,44 @@ def test_inconclusive_probe_is_repeated_in_the_next_operation():
     assert modes[first + 1] == "probe"  # repeated at once, not probe_every later
     assert not drv.controller.snapshot()["ranks"]["0"]["dropped"]  # and the repeat brought 'out' back
 
+
+
+def test_a_probe_planned_from_the_prior_is_repeated_on_what_it_measured_not_backed_off():
+    # The matrix's background cell: a paced flow leaves rank 1 -> rank 0's 'out'
+    # a quarter of 'up''s rate. 'out' starts dropped; the first probe is planned
+    # from its 700 MB/s prior and puts the full probe share (0.34) on that link,
+    # where the best split puts ~0.2: the stage runs slower than 'up' alone on
+    # both ranks (each waits for the other). Judged as harm, that backed both
+    # ranks off and 'out' never came back in the cell; repeated on the rates the
+    # probe measured, both ranks find the gain and re-add it.
+    from mpccs.control.controller import FIRST_PROBE_AFTER
+    up, out = SyntheticLink(125e6, 100e-6), SyntheticLink(62.5e6, 100e-6)
+    planes = SyntheticPlanes.uniform([0, 1], up, out, seed=5, links={(1, "out", 0): SyntheticLink(31e6, 100e-6)})
+    flows = ring_flows(2, 8 * MiB)
+    cfg = ControlConfig(start_on_one_plane=True)
+    ctls = [PathController(cfg, rank=r) for r in range(2)]
+    now, times, probes, events = 0.0, {}, [], []
+    for epoch in range(1, 3 * cfg.probe_every):
+        for _ in range(2):  # reduce-scatter, all-gather
+            d0, d1, res = two_rank_stage(ctls, planes, flows, now, epoch=epoch, stage_ends_together=True)
+            now = res.t_end + 1e-4
+            times.setdefault(epoch, []).append(res.duration)
+            if mode(d0, 0) == "probe":
+                probes.append((epoch, d0.reason["ranks"]["0"]["measured"], out_share(d1, flows[1:])))
+        events += [e["event"] for c in ctls for e in c.take_events()]
+        exchange_blobs(ctls, now)
+    first, repeat = probes[0], probes[1]
+    assert first[0] == FIRST_PROBE_AFTER and not first[1] and first[2] == pytest.approx(cfg.probe_share, abs=0.02)
+    assert repeat[0] == FIRST_PROBE_AFTER + 1 and repeat[1] and 0.12 < repeat[2] < 0.28
+    assert len(probes) == 2 and events == ["readd", "readd"]
+    solo = statistics.median(sum(times[e]) for e in range(1, FIRST_PROBE_AFTER))
+    assert sum(times[FIRST_PROBE_AFTER]) > 1.1 * solo  # the first probe did hurt
+    later = [sum(times[e]) for e in range(FIRST_PROBE_AFTER + 2, 3 * cfg.probe_every)]
+    assert max(later) < 0.9 * solo  # and both planes stay in use, ~0.8x of 'up' alone
+    for c in ctls:
+        assert not c.snapshot()["ranks"][str(c.rank)]["dropped"]
+    d0, d1 = ctls[0].decide(flows, now), ctls[1].decide(flows, now)
+    assert out_share(d1, flows[1:]) < out_share(d0, flows[:1])  # the loaded link carries less
 
 
 def test_plane_left_unused_for_four_multipath_stages_is_dropped():
