@@ -992,6 +992,29 @@ def test_operations_run_settled_between_the_probes_of_every_rank_backed_off_grid
         ControlConfig(probe_backoff_max=256)
 
 
+def test_ranks_probe_together_on_the_coarsest_grid_of_those_with_the_plane_dropped():
+    # A rank whose failed probes backed off to 32 and a peer that followed its
+    # drop (interval reset to 16): the peer probed alone at 16, 48, ..., where
+    # the stage still ended with the first rank's one-plane flows (a tie).
+    cfg = ControlConfig(start_on_one_plane=True)
+    every = cfg.probe_every
+    backed, fresh = (PathController(cfg, rank=r) for r in range(2))
+    st = backed._states[0]
+    st.probes, st.probe_interval = 2, 2 * every
+    fresh._states[1].probes = 1
+    exchange_blobs([backed, fresh], 0.0)
+    for e in (every, 3 * every):
+        assert not fresh.probe_due(e) and not backed.probe_due(e), e
+    for e in (2 * every, 4 * every):
+        assert fresh.probe_due(e) and backed.probe_due(e), e
+    assert fresh.probe_grid() == every  # each rank exports its own grid (may_use's gcd stays conservative)
+    # A peer that uses the plane again no longer holds the others to its grid.
+    st.dropped.clear()
+    st.probe_interval = 0
+    exchange_blobs([backed, fresh], 0.0)
+    assert fresh.probe_due(every) and fresh.probe_due(3 * every)
+
+
 def test_a_rank_with_out_dropped_sends_on_one_plane_except_when_it_probes():
     # What lets a planned operation cut whole flows (comm._chunking_for).
     from mpccs.control.controller import FIRST_PROBE_AFTER

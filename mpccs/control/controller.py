@@ -428,7 +428,23 @@ class PathController:
             return True
         if st.probes == 0 and epoch >= FIRST_PROBE_AFTER and st.readds == 0 and st.drops == 0:
             return epoch == FIRST_PROBE_AFTER or epoch % self.config.probe_every == 0
-        return epoch % max(1, st.probe_interval) == 0
+        return epoch % self._joint_probe_interval(st) == 0
+
+    def _joint_probe_interval(self, st: "_RankState") -> int:
+        """This rank's probe interval, or the coarser grid of a peer that has the
+        same plane dropped: a probe by one rank alone cannot show the gain of
+        both splitting (the stage ends with the peer's one-plane flows), so
+        ranks probe at the multiples of the coarsest grid only. A rank whose
+        drop followed a peer's (its interval reset to probe_every) probed alone
+        at every odd multiple of it, ties that the testbed's 64 MiB operations
+        paid for. Grids are probe_every times powers of two: a multiple of the
+        coarsest is one of every rank's own, which is what each exports."""
+        interval = max(1, st.probe_interval)
+        plane = sorted(st.dropped)[0]
+        for rank, dropped in self._remote_dropped.items():
+            if rank != self.rank and plane in dropped:
+                interval = max(interval, self._remote_grid.get(rank, interval))
+        return interval
 
     def probe_due(self, epoch: Optional[int]) -> bool:
         """This rank's next decision at ``epoch`` would be a probe (a cached decision must not stand in)."""
