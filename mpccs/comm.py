@@ -319,7 +319,7 @@ class Communicator:
             # (estimates piggybacked) and in the statistics.
             policy, name = "up", "adaptive"
         return Splitter(policy, self._engine.health.live(), DEFAULT_WINDOW_BYTES, self._engine.controller,
-                        self._engine.decisions, name)
+                        self._engine.decisions, name, same_domain=self.topology.same_domain)
 
     def _submit(self, op: Operation, result, async_op: bool):
         op.on_finish.append(self._record)

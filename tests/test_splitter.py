@@ -1,0 +1,76 @@
+"""flows.Splitter: which planes the coflow gives other ranks' flows, and what
+that does to this rank's own split (pure: no planes are opened)."""
+from mpccs.algorithms.schedule import Flow, Topology
+from mpccs.control import ControlConfig, PathController
+from mpccs.flows import Splitter
+from mpccs.windows import OUT, UP
+
+MiB = 1 << 20
+
+
+class Reach:
+    """A plane as the splitter sees it: the peers it reaches from this rank."""
+
+    completion_means_delivery = True
+
+    def __init__(self, peers):
+        self.peers = set(peers)
+
+    def reaches(self, peer):
+        return peer in self.peers
+
+
+class Recording(PathController):
+    """A real controller that keeps the demands it was asked to split."""
+
+    def decide(self, flows, now, **kw):
+        self.demands = {f.flow_id: f for f in flows}
+        return super().decide(flows, now, **kw)
+
+
+def flow(fid, src, dst, nbytes=8 * MiB):
+    return Flow(fid, src, dst, "in", 0, "out", 0, nbytes // 4), nbytes
+
+
+def intra_domain_stage(same_domain):
+    """Rank 0 of two domains of two (0, 1 | 2, 3): the intra-domain reduce-scatter
+    of a hierarchical all_reduce, each rank sending 8 MiB to its domain peer."""
+    topo = Topology((0, 0, 1, 1))
+    ctl = Recording(ControlConfig(), rank=0)
+    planes = {UP: Reach({1}), OUT: Reach({1, 2, 3})}
+    splitter = Splitter("adaptive", planes, {UP: 1 * MiB, OUT: 1 * MiB}, ctl,
+                        same_domain=topo.same_domain if same_domain else None)
+    mine = [flow(0, 0, 1)]
+    others = (flow(1, 1, 0), flow(2, 2, 3), flow(3, 3, 2))
+    plan = splitter.plan(mine, now=0.0, chunk_bytes=512 * 1024, others=others)
+    return ctl.demands, plan
+
+
+def test_up_runs_inside_every_domain_in_the_coflow_and_the_own_flow_splits():
+    demands, plan = intra_domain_stage(same_domain=True)
+    assert demands[2].planes == (UP, OUT) and demands[3].planes == (UP, OUT)
+    assert demands[1].planes == (UP, OUT)
+    # Every domain's stage takes as long as this one's: the own flow is on the
+    # critical path and gets its share of 'out' (priors 5 and 0.7 GB/s: ~12%).
+    out = 8 * MiB - plan.splits[0].boundary_bytes
+    assert 0.06 * 8 * MiB < out < 0.2 * 8 * MiB
+
+
+def test_without_the_topology_the_other_domain_looks_out_only_and_critical():
+    # What the coflow saw before: 'up' does not reach ranks 2 and 3 from here,
+    # so their flows went on 'out' alone, their domain looked critical, and
+    # this rank's flow (with slack) stayed whole on 'up'.
+    demands, plan = intra_domain_stage(same_domain=False)
+    assert demands[2].planes == (OUT,)
+    assert plan.splits[0].boundary_bytes == 8 * MiB
+
+
+def test_a_severed_peer_in_this_domain_keeps_its_flows_off_up():
+    topo = Topology((0, 0, 1, 1))
+    ctl = Recording(ControlConfig(), rank=0)
+    planes = {UP: Reach(()), OUT: Reach({1, 2, 3})}  # 'up' to rank 1 is gone
+    splitter = Splitter("adaptive", planes, {UP: 1 * MiB, OUT: 1 * MiB}, ctl, same_domain=topo.same_domain)
+    splitter.plan([flow(0, 0, 2)], now=0.0, chunk_bytes=512 * 1024, others=(flow(1, 1, 0), flow(2, 2, 3)))
+    assert ctl.demands[1].planes == (OUT,)
+    assert ctl.demands[2].planes == (UP, OUT)
+    assert ctl.demands[0].planes == (OUT,)  # across domains: 'out' only
