@@ -1094,7 +1094,6 @@ def test_inconclusive_probe_is_repeated_in_the_next_operation():
     assert not drv.controller.snapshot()["ranks"]["0"]["dropped"]  # and the repeat brought 'out' back
 
 
-
 def test_a_probe_planned_from_the_prior_is_repeated_on_what_it_measured_not_backed_off():
     # The matrix's background cell: a paced flow leaves rank 1 -> rank 0's 'out'
     # a quarter of 'up''s rate. 'out' starts dropped; the first probe is planned
