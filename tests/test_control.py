@@ -797,6 +797,27 @@ def test_tuner_hierarchical_across_domains():
     assert plan.algorithm == "hierarchical"
 
 
+def test_tuner_pipelines_hierarchical_schedules_over_channels():
+    # One channel runs the intra-domain phases ('up') and the inter-domain one
+    # ('out') one after the other; with more, one channel's inter-domain phase
+    # overlaps another's intra-domain ones (2x2 testbed: 1.57x busbw at four).
+    from mpccs.control.tuner import PIPELINE_STEP_MIN, pipeline_channels
+    plan = choose("all_reduce", 12, 256 * MiB, Topology.blocks(12, 4), EST)
+    assert (plan.algorithm, plan.channels) == ("hierarchical", 4)
+    assert "overlaps" in plan.reason["channels"]
+    two_by_two = Topology((0, 0, 1, 1))
+    # a channel's intra-domain step (nbytes / 2 / channels) stays >= 1 MiB
+    sizes = (2 * MiB, 4 * MiB, 8 * MiB, 64 * MiB)
+    assert [pipeline_channels("hierarchical", two_by_two, n) for n in sizes] == [1, 2, 4, 4]
+    assert PIPELINE_STEP_MIN == MiB
+    assert pipeline_channels("ring", two_by_two, 64 * MiB) == 1
+    assert pipeline_channels("hierarchical", Topology((0, 0, 1)), 64 * MiB) == 1  # unequal: falls back to ring
+    assert pipeline_channels("hierarchical", Topology.flat(4), 64 * MiB) == 1
+    # MPCCS_TUNE's channels win, and reason says so
+    forced = choose("all_reduce", 12, 256 * MiB, Topology.blocks(12, 4), EST, override="all_reduce:*:channels=1")
+    assert forced.channels == 1 and forced.reason["channels"] == "override"
+
+
 def test_tuner_ring_matches_trg_closed_form_on_one_plane():
     p, n, a, b = 8, 64 * MiB, 10e-6, 10e9
     est = {"up": PathModel(b, a), "out": PathModel(b / 10, a)}
