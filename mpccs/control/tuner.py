@@ -238,10 +238,15 @@ class _Fabric:
         return m / self.up.rate_Bps
 
     def domains(self) -> list[int]:
-        sizes: dict[int, int] = {}
-        for d in self.domain_of:
-            sizes[d] = sizes.get(d, 0) + 1
-        return list(sizes.values())
+        return _domain_sizes(self.domain_of)
+
+
+def _domain_sizes(domain_of) -> list[int]:
+    """Ranks per scale-up domain."""
+    sizes: dict[int, int] = {}
+    for d in domain_of:
+        sizes[d] = sizes.get(d, 0) + 1
+    return list(sizes.values())
 
 
 def _lg(p: int) -> int:
@@ -405,11 +410,9 @@ def pipeline_channels(algorithm: str, topology, nbytes: int) -> int:
     """
     if algorithm != "hierarchical" or topology is None:
         return 1
-    sizes: dict[int, int] = {}
-    for d in topology.domain_of:
-        sizes[d] = sizes.get(d, 0) + 1
-    local = min(sizes.values())
-    if len(sizes) < 2 or local != max(sizes.values()) or local < 2:
+    sizes = _domain_sizes(topology.domain_of)
+    local = min(sizes)
+    if len(sizes) < 2 or local != max(sizes) or local < 2:
         return 1  # the schedule falls back to ring
     channels = 1
     while channels < PIPELINE_CHANNELS_MAX and nbytes / local / (2 * channels) >= PIPELINE_STEP_MIN:
