@@ -404,7 +404,8 @@ def pipeline_channels(algorithm: str, topology, nbytes: int) -> int:
     inter-domain phase overlaps another's intra-domain phases. On the 2x2
     testbed (1 / 0.5 Gbit/s) the hierarchical all_reduce on 'up' went from
     0.087-0.091 GB/s busbw (one channel) to 0.117-0.118 (two) and 0.136-0.143
-    (four) at 16-64 MiB: the model's max(intra, inter) + min / c. Up to
+    (four) at 16-64 MiB, about max(intra, inter) + min(intra, inter) / c (the
+    cost model, which picks the algorithm, does not price it). Up to
     PIPELINE_CHANNELS_MAX, while a channel's intra-domain step (nbytes /
     domain size / c) stays at least PIPELINE_STEP_MIN.
     """
