@@ -56,7 +56,8 @@ def main() -> int:
         floor = noise_floor(up["times_us"], up2["times_us"])
         ok = holds(ratio, TARGET, floor)
         verdicts.append({"size": size, "ratio": ratio, "floor": floor, "holds": ok})
-        lines.append(f"| {size >> 20} MiB | {ad.get('algorithm', '?')} | {up['busbw']:.3f} | {out['busbw']:.3f} | "
+        algorithm = f"{ad.get('algorithm', '?')}, {ad.get('channels') or 1} channel(s)"
+        lines.append(f"| {size >> 20} MiB | {algorithm} | {up['busbw']:.3f} | {out['busbw']:.3f} | "
                      f"{ad['busbw']:.3f} | {ratio[0]:.2f} [{ratio[1]:.2f}, {ratio[2]:.2f}] | {floor:.3f} | "
                      f"{'holds' if ok else 'NOT MET'} |")
     text = "\n".join(lines) + "\n"

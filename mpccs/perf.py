@@ -383,7 +383,7 @@ def make_row(comm, case, ns, policy, times, shares, stats, wrong) -> dict:
         "time_us_p90": float(np.percentile(times, 90)) * 1e6 if len(times) else 0.0,
         "algbw": algbw, "busbw": algbw * bus_factor(ns.collective, comm.size), "wrong": wrong,
         "up_share": float(np.nanmedian(shares)) if shares and not np.all(np.isnan(shares)) else None,
-        "algorithm": stats.get("algorithm"), "times_us": [x * 1e6 for x in times],
+        "algorithm": stats.get("algorithm"), "channels": stats.get("channels"), "times_us": [x * 1e6 for x in times],
         "split": [s.get("split") for s in stats.get("stages", [])][:4],
         "nranks": comm.size,
     }

@@ -35,8 +35,9 @@ def test_table_json_and_no_wrong_elements(tmp_path, collective):
     assert {"mpccs", "ucx", "ucxx", "numpy", "kernel", "planes", "nranks"} <= set(data["meta"])
     for row in data["rows"]:
         assert {"collective", "size", "count", "type", "redop", "root", "policy", "time_us", "algbw", "busbw",
-                "wrong", "up_share", "algorithm", "times_us"} <= set(row)
+                "wrong", "up_share", "algorithm", "channels", "times_us"} <= set(row)
         assert row["collective"] == collective and row["wrong"] == 0 and len(row["times_us"]) == 3
+        assert row["channels"] in (None, 1)  # one domain: no channels (None: the direct path keeps no schedule)
 
 
 @pytest.mark.parametrize("max_size, cma, settles", [("2M", "0", True), ("64K", "0", False), ("2M", "1", False)])
