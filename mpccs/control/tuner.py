@@ -237,9 +237,6 @@ class _Fabric:
             return max(x[0] / self.up.rate_Bps, x[1] / self.out.rate_Bps)
         return m / self.up.rate_Bps
 
-    def domains(self) -> list[int]:
-        return _domain_sizes(self.domain_of)
-
 
 def _domain_sizes(domain_of) -> list[int]:
     """Ranks per scale-up domain."""
@@ -291,15 +288,17 @@ def _rd_ag(f: _Fabric, n: float) -> float:
     return sum(f.step(n / p2 * (1 << k), _xor_cross(f, k)) for k in range(_lg(p2)))
 
 
-def _hier_parts(f: _Fabric):
-    sizes = f.domains()
+def _hier_parts(domain_of) -> Optional[tuple[int, int]]:
+    """(ranks per domain, domains) where a hierarchical schedule applies
+    (>= 2 equal domains of >= 2 ranks), else None (it falls back to ring)."""
+    sizes = _domain_sizes(domain_of)
     if len(sizes) < 2 or min(sizes) != max(sizes) or sizes[0] < 2:
         return None
     return sizes[0], len(sizes)
 
 
 def _hier_rs(f: _Fabric, n: float, reduce: bool) -> float:
-    parts = _hier_parts(f)
+    parts = _hier_parts(f.domain_of)
     if parts is None:
         return math.inf
     local, doms = parts
@@ -411,10 +410,10 @@ def pipeline_channels(algorithm: str, topology, nbytes: int) -> int:
     """
     if algorithm != "hierarchical" or topology is None:
         return 1
-    sizes = _domain_sizes(topology.domain_of)
-    local = min(sizes)
-    if len(sizes) < 2 or local != max(sizes) or local < 2:
+    parts = _hier_parts(topology.domain_of)
+    if parts is None:
         return 1  # the schedule falls back to ring
+    local = parts[0]
     channels = 1
     while channels < PIPELINE_CHANNELS_MAX and nbytes / local / (2 * channels) >= PIPELINE_STEP_MIN:
         channels *= 2
