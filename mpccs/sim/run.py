@@ -420,7 +420,8 @@ class ScheduleRun:
         window = run.windows.get(plane)
         cap = window / latency if window and latency > 0 else math.inf
         tr = Transfer(route, float(nbytes), cap=cap, on_sent=self._part_sent, tag=(run, plane),
-                      t_start=self.sim.now, history=[] if self._wants_feedback(f.src) else None)
+                      t_start=self.sim.now, history=[] if self._wants_feedback(f.src) else None,
+                      priority=self.stage_by_id[run.stage].channel)
         run.parts[plane] = tr
         run.open_parts += 1
         self.sim.start(tr)
