@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import wire
+from .algorithms.overlap import companion_flows
 from .algorithms.schedule import Flow, Schedule, Stage
 from .arrays import copy_into, empty_like_memory, same_start
 from .direct_ops import fp_blob_capacity
@@ -334,6 +335,7 @@ class CollectiveOp(Operation):
         if mine_out:
             sized = [(f, f.count * self.itemsize) for f in mine_out]
             others = [(f, f.count * self.itemsize) for f in stage.flows if f.src != self.rank]
+            others += [(f, f.count * self.itemsize) for f in self._companions().get(stage.id, ())]
             plan = self._plan_stage(sized, now, others)
             self.window = plan.window_bytes
             for f in mine_out:
@@ -379,6 +381,17 @@ class CollectiveOp(Operation):
         if self.carries_failable is False and up_ok:
             return up_ok, False  # the declaration binds: whatever the plan says, nothing on 'out'
         return up_ok, out_ok
+
+    def _companions(self) -> dict:
+        """The out-only load the other channels put beside each stage (algorithms.overlap),
+        worked out once per schedule; only 'adaptive' reads it (the coflow split)."""
+        if self.splitter.name != "adaptive" or self.splitter.same_domain is None or self.schedule.channels <= 1:
+            return {}
+        by_topology = self.schedule.meta.setdefault("companions", {})  # schedules are cached across communicators
+        same_domain = self.splitter.same_domain
+        if same_domain not in by_topology:
+            by_topology[same_domain] = companion_flows(self.schedule, same_domain)
+        return by_topology[same_domain]
 
     def _plan_stage(self, sized, now, others=()) -> StagePlan:
         """The split of this rank's flows in a stage; decided once per operation

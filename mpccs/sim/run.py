@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from mpccs.algorithms.schedule import Flow, Schedule
+from mpccs.algorithms.overlap import companion_flows
 
 from .engine import Simulator
 from .fabric import PLANES, Cluster, Transfer
@@ -269,6 +270,9 @@ class ScheduleRun:
         reps = set(self.reps)
         stages = {s.id: s for s in self.schedule.stages}
         self.stage_by_id = stages
+        # What the engine's splitter adds to a pipelined stage's coflow (the
+        # other channels' out-only load): mpccs.algorithms.overlap.
+        self.companions = companion_flows(self.schedule, self.cluster.topology.same_domain)
         self.sends = defaultdict(list)     # (rank, stage) -> [_FlowRun]
         self.rendezvous = defaultdict(list)  # (rank, stage) -> [_FlowRun] it receives (image)
         self.expect = Counter()            # (rank, stage) -> completions to wait for
@@ -369,7 +373,9 @@ class ScheduleRun:
         self._flush_feedback(rank)
         demands = [FlowDemand(r.flow.id, r.flow.src, r.flow.dst, r.nbytes,
                               self.cluster.planes_between(r.flow.src, r.flow.dst)) for r in sends]
-        decision = self._call_decide(rank, demands)
+        companions = [FlowDemand(f.id, f.src, f.dst, f.count * self.itemsize, ("out",))
+                      for f in self.companions.get(sid, ()) if f.src == rank]
+        decision = self._call_decide(rank, demands + companions)
         self.stage_decision[rank, sid] = decision
         for run, demand in zip(sends, demands):
             up = int(decision.up_bytes.get(run.flow.id, 0 if "up" not in demand.planes else run.nbytes))
