@@ -335,8 +335,8 @@ class CollectiveOp(Operation):
         if mine_out:
             sized = [(f, f.count * self.itemsize) for f in mine_out]
             others = [(f, f.count * self.itemsize) for f in stage.flows if f.src != self.rank]
-            others += [(f, f.count * self.itemsize) for f in self._companions().get(stage.id, ())]
-            plan = self._plan_stage(sized, now, others)
+            companions = [(f, f.count * self.itemsize) for f in self._companions().get(stage.id, ())]
+            plan = self._plan_stage(sized, now, others, companions)
             self.window = plan.window_bytes
             for f in mine_out:
                 view = self._send_view(f)
@@ -393,7 +393,7 @@ class CollectiveOp(Operation):
             by_topology[same_domain] = companion_flows(self.schedule, same_domain)
         return by_topology[same_domain]
 
-    def _plan_stage(self, sized, now, others=()) -> StagePlan:
+    def _plan_stage(self, sized, now, others=(), companions=()) -> StagePlan:
         """The split of this rank's flows in a stage; decided once per operation
         for each distinct demand (a ring's 2(p-1) stages send the same bytes to
         the same peer: one controller decision serves them all, and only the
@@ -402,7 +402,7 @@ class CollectiveOp(Operation):
         memo = self._plan_memo.get(key)
         if memo is None:
             plan = self.splitter.plan(sized, now, self.plan_chunk_elems * self.itemsize, others, self.epoch,
-                                      lambda f: self._flow_chunk_elems(f) * self.itemsize)
+                                      lambda f: self._flow_chunk_elems(f) * self.itemsize, companions)
             self._plan_memo[key] = (plan, [plan.splits[f.id] for f, _ in sized])
             return plan
         first, ordered = memo

@@ -135,14 +135,16 @@ class Splitter:
 
     def plan(self, flows: list[tuple[Flow, int]], now: float, chunk_bytes: Optional[int] = None,
              others: tuple = (), epoch: Optional[int] = None,
-             quantum_of: Optional[Callable[[Flow], int]] = None) -> StagePlan:
+             quantum_of: Optional[Callable[[Flow], int]] = None, companions: tuple = ()) -> StagePlan:
         """flows: (flow, nbytes) this rank sends in the stage; others: the
         stage's flows from other ranks, which the controller splits together
         with ours (the coflow) from their piggybacked estimates; quantum_of:
-        a flow's chunk length in bytes, the step its split moves in."""
+        a flow's chunk length in bytes, the step its split moves in;
+        companions: (flow, nbytes) that stand for other channels' load beside
+        the stage (algorithms.overlap): they take capacity, move nothing."""
         if self.policy == "adaptive" and self.controller is not None:
             if sum(n for _, n in flows) >= self.controller.config.min_multipath_bytes:
-                return self._adaptive(flows, now, chunk_bytes, others, epoch, quantum_of)
+                return self._adaptive(flows, now, chunk_bytes, others, epoch, quantum_of, companions)
             # Too small for a second plane to pay (the controller would say the
             # same, at the cost of a decision): the configured single plane.
             splits = {f.id: FlowSplit(nbytes, False) for f, nbytes in flows}
@@ -162,7 +164,7 @@ class Splitter:
         # 'up', and 'adaptive' without a controller: the single-plane default.
         return FlowSplit(nbytes, False)
 
-    def _adaptive(self, flows, now, chunk_bytes, others=(), epoch=None, quantum_of=None) -> StagePlan:
+    def _adaptive(self, flows, now, chunk_bytes, others=(), epoch=None, quantum_of=None, companions=()) -> StagePlan:
         key = (tuple((f.dst, n) for f, n in flows), chunk_bytes)
         cached = None
         if self.cache is not None:
@@ -178,7 +180,7 @@ class Splitter:
         if cached is not None:
             splits = {f.id: s for (f, _), s in zip(flows, cached.splits)}
             return StagePlan(splits, cached.window_bytes, {**cached.reason, "reused": cached.uses}, key)
-        plan = self._decide(flows, now, chunk_bytes, others, epoch, quantum_of)
+        plan = self._decide(flows, now, chunk_bytes, others, epoch, quantum_of, companions)
         mine = str(flows[0][0].src) if flows else None
         mode = plan.reason.get("ranks", {}).get(mine, {}).get("mode")
         if self.cache is not None and mode not in ("probe", "check"):
@@ -205,7 +207,7 @@ class Splitter:
             return all(r == mine or not self.same_domain(r, mine) or self.planes[UP].reaches(r) for r in (src, dst))
         return all(r == mine or self.planes[plane].reaches(r) for r in (src, dst))
 
-    def _decide(self, flows, now, chunk_bytes, others=(), epoch=None, quantum_of=None) -> StagePlan:
+    def _decide(self, flows, now, chunk_bytes, others=(), epoch=None, quantum_of=None, companions=()) -> StagePlan:
         from .control import FlowDemand
 
         demands = []
@@ -215,10 +217,11 @@ class Splitter:
             demands.append(FlowDemand(flow_id=f.id, src=f.src, dst=f.dst, nbytes=nbytes, planes=planes,
                                       quantum_bytes=quantum_of(f) if quantum_of else 0))
         mine = flows[0][0].src if flows else None
-        for f, nbytes in others:
+        for (f, nbytes), companion in [(o, False) for o in others] + [(c, True) for c in companions]:
             planes = tuple(p for p in (UP, OUT) if p in self.planes and self._links(p, f.src, f.dst, mine))
             if planes and nbytes:
-                demands.append(FlowDemand(flow_id=f.id, src=f.src, dst=f.dst, nbytes=nbytes, planes=planes))
+                demands.append(FlowDemand(flow_id=f.id, src=f.src, dst=f.dst, nbytes=nbytes, planes=planes,
+                                          companion=companion))
         decision = self.controller.decide(demands, now, chunk_bytes=chunk_bytes, epoch=epoch)
         steal = decision.steal and self.can_steal
         splits = {

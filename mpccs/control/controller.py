@@ -1276,7 +1276,9 @@ def _validate(flows: Sequence[FlowDemand]) -> None:
 
 
 def _judgeable(flows: Sequence[FlowDemand], min_bytes: int) -> bool:
-    """A rank's stage says something about a second plane only if one plane could carry it all."""
+    """A rank's stage says something about a second plane only if one plane could carry it all
+    (companions, which stand for other channels' load, are not the stage's flows)."""
+    flows = [f for f in flows if not f.companion]
     return bool(flows) and all(qos.is_borrowable(f) for f in flows) and sum(f.nbytes for f in flows) >= min_bytes
 
 

@@ -41,6 +41,10 @@ class FlowDemand:
     # The flow's chunk length: a split lands on whole chunks (windows.boundary_for),
     # so the controller picks the faster neighbouring multiple. 0: not known.
     quantum_bytes: int = 0
+    # Stands for load beside the stage (a pipelined schedule's other channels,
+    # algorithms.overlap): it takes its planes' capacity in the split, moves no
+    # bytes of the stage, and is not one of the rank's judged flows.
+    companion: bool = False
 
 
 @dataclass(frozen=True)

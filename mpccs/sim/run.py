@@ -373,7 +373,7 @@ class ScheduleRun:
         self._flush_feedback(rank)
         demands = [FlowDemand(r.flow.id, r.flow.src, r.flow.dst, r.nbytes,
                               self.cluster.planes_between(r.flow.src, r.flow.dst)) for r in sends]
-        companions = [FlowDemand(f.id, f.src, f.dst, f.count * self.itemsize, ("out",))
+        companions = [FlowDemand(f.id, f.src, f.dst, f.count * self.itemsize, ("out",), companion=True)
                       for f in self.companions.get(sid, ()) if f.src == rank]
         decision = self._call_decide(rank, demands + companions)
         self.stage_decision[rank, sid] = decision
