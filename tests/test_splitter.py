@@ -74,3 +74,36 @@ def test_a_severed_peer_in_this_domain_keeps_its_flows_off_up():
     assert ctl.demands[1].planes == (OUT,)
     assert ctl.demands[2].planes == (UP, OUT)
     assert ctl.demands[0].planes == (OUT,)  # across domains: 'out' only
+
+
+def pipelined_intra_stage(with_companions):
+    """Rank 0's intra-domain flow in a 4-channel hierarchical all_reduce on two
+    domains of two, both planes priced alike (1:1): the other channels send half
+    as many bytes across domains as each intra-domain stage sends inside."""
+    from mpccs.algorithms import build_schedule
+    from mpccs.algorithms.overlap import companion_flows
+
+    topo = Topology((0, 0, 1, 1))
+    schedule = build_schedule("all_reduce", 4, 16 * MiB, algorithm="hierarchical", topology=topo, channels=4)
+    stage = next(s for s in schedule.stages if s.label.startswith("intra rs"))
+    companions = companion_flows(schedule, topo.same_domain)[stage.id] if with_companions else ()
+    rate = {UP: 100e6, OUT: 100e6}
+    ctl = Recording(ControlConfig(prior_rate_Bps=rate, prior_delay_s={UP: 1e-4, OUT: 1e-4}), rank=0)
+    splitter = Splitter("adaptive", {UP: Reach({1}), OUT: Reach({1, 2, 3})}, {UP: MiB, OUT: MiB}, ctl,
+                        same_domain=topo.same_domain)
+    sized = [(f, f.count * 4) for f in stage.flows]
+    mine = [x for x in sized if x[0].src == 0]
+    plan = splitter.plan(mine, now=0.0, chunk_bytes=512 * 1024, others=tuple(x for x in sized if x[0].src != 0),
+                         companions=tuple((f, f.count * 4) for f in companions))
+    nbytes = mine[0][1]
+    return ctl.demands, plan, (nbytes - plan.splits[mine[0][0].id].boundary_bytes) / nbytes
+
+
+def test_companions_take_out_capacity_and_leave_the_stage_judgeable():
+    demands, plan, out_share = pipelined_intra_stage(with_companions=True)
+    companions = [d for d in demands.values() if d.companion]
+    assert len(companions) == 4 and all(d.planes == (OUT,) and d.flow_id < 0 for d in companions)
+    assert abs(out_share - 0.25) < 0.07  # (1 - x) n / u = (x n + n / 2) / o at u = o
+    assert plan.reason["ranks"]["0"]["judgeable"]
+    _, _, alone = pipelined_intra_stage(with_companions=False)
+    assert abs(alone - 0.5) < 0.07  # as if 'out' were free
