@@ -22,7 +22,7 @@ from typing import Callable
 
 from .schedule import Flow, Schedule
 
-# Companion flows take ids below this; schedule flows have ids >= 0.
+# Companion flows take ids from this one down; schedule flows have ids >= 0.
 COMPANION_ID_BASE = -1
 
 
