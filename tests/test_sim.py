@@ -107,15 +107,17 @@ def test_predicted_busbw_vs_published_is_reported_not_fitted():
 
 
 # --- aggregation and scale ---------------------------------------------------------
-@pytest.mark.parametrize("collective,algorithm,count,policy", [
-    ("all_reduce", "hierarchical", 256 * MiB // 4, "single"),
-    ("all_reduce", "hierarchical", 256 * MiB // 4, "share"),
-    ("all_reduce", "hierarchical", 256 * MiB // 4, "controller"),
-    ("all_reduce", "ring", 16 * MiB // 4, "share"),
-    ("all_to_all", "pairwise", MiB // 4, "share"),
+@pytest.mark.parametrize("collective,algorithm,count,policy,channels", [
+    ("all_reduce", "hierarchical", 256 * MiB // 4, "single", 1),
+    ("all_reduce", "hierarchical", 256 * MiB // 4, "share", 1),
+    ("all_reduce", "hierarchical", 256 * MiB // 4, "controller", 1),
+    ("all_reduce", "hierarchical", 256 * MiB // 4, "share", 4),  # channels served in order
+    ("all_reduce", "ring", 16 * MiB // 4, "share", 1),
+    ("all_to_all", "pairwise", MiB // 4, "share", 1),
 ])
-def test_aggregated_matches_full_simulation_at_64_ranks(collective, algorithm, count, policy):
-    schedule = build_schedule(collective, 64, count, algorithm=algorithm, topology=Topology.blocks(64, 8))
+def test_aggregated_matches_full_simulation_at_64_ranks(collective, algorithm, count, policy, channels):
+    schedule = build_schedule(collective, 64, count, algorithm=algorithm, topology=Topology.blocks(64, 8),
+                              channels=channels)
     times = {}
     for aggregate in (False, True):
         cluster = Cluster(H100, 8)

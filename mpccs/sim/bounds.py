@@ -11,18 +11,21 @@ Two limits hold for every algorithm and every split of its bytes:
 * per rank: in a bandwidth-optimal all_reduce each rank sends and receives at
   least ``2 (p-1)/p * N`` bytes (Patarasuk and Yuan, 2009), over both of its
   links at once: ``2 (p-1)/p * N / (up + out)``;
-* across domains: ``up`` does not leave a domain, so for each domain ``d`` the
-  reduction of the other ranks' data (``N`` bytes) must enter it over ``out``,
-  at most ``min(|d|, p - |d|) * out`` bytes per second.
+* across domains: ``up`` does not leave a domain, so the domains all_reduce
+  among themselves over ``out`` alone: the same bound with each of the ``D``
+  domains as one node of ``l * out`` bytes per second (``l`` ranks per
+  domain), ``2 (D-1)/D * N / (l * out)``.
 
 The single-plane policy (``up`` inside domains, ``out`` between them) run as a
 hierarchical schedule whose phases overlap (the tuner's channels) is limited
 by its busier plane: a rank moves ``2 (l-1)/l * N`` bytes on ``up`` (the
 intra-domain reduce-scatter and all-gather over ``l`` local ranks) and
 ``2 (D-1)/D * N / l`` on ``out`` (the inter-domain all_reduce of its shard
-across ``D`` domains). When ``up >= 2 out`` (the testbed's 2:1, and NVLink
-against a NIC) that equals the cross-domain limit: splitting bytes across the
-planes can add nothing that overlapping the phases does not already give.
+across ``D`` domains). Its ``out`` term is the cross-domain limit itself, so
+once ``up / out >= (l-1) D / (D-1)`` (2 on two domains of two, the testbed's
+2:1; 7.5 for 16 domains of 8, which NVLink against one NIC per GPU exceeds)
+splitting bytes across the planes can add nothing that overlapping the phases
+does not already give.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ class AllReduceBounds:
     """Lower bounds on one all_reduce's time, in seconds."""
 
     per_rank_s: float      # both links of a rank busy the whole time
-    cross_domain_s: float  # the busiest domain boundary on 'out' (0 with one domain)
+    cross_domain_s: float  # the domains' all_reduce among themselves on 'out' (0 with one domain)
     single_plane_s: float  # the single-plane policy's busier plane, phases overlapped
 
     @property
@@ -66,7 +69,7 @@ def all_reduce_bounds(nbytes: float, domain_of: Sequence[int], up_Bps: float, ou
     local, domains = next(iter(sizes.values())), len(sizes)
     up = up_Bps if local > 1 else 0.0
     per_rank = 2 * (p - 1) / p * nbytes / (up + out_Bps)
-    cross = max(nbytes / (min(n, p - n) * out_Bps) for n in sizes.values()) if domains > 1 else 0.0
+    cross = 2 * (domains - 1) / domains * nbytes / (local * out_Bps)
     up_bytes = 2 * (local - 1) / local * nbytes
     out_bytes = 2 * (domains - 1) / domains * nbytes / local
     single = max(up_bytes / up if up else 0.0, out_bytes / out_Bps)
