@@ -256,6 +256,8 @@ class ScheduleRun:
         self._decide_kw = {r: ({"chunk_bytes": chunk_bytes}
                                if "chunk_bytes" in inspect.signature(p.decide).parameters else {})
                            for r, p in self.policies.items()}
+        self._takes_received = {r: "received_by_plane" in inspect.signature(p.on_stage).parameters
+                                for r, p in self.policies.items()}
         self.error: Optional[str] = None
         self._feedback: dict = {}  # rank -> chunk completions not yet delivered
         self.log: list = []
@@ -489,6 +491,17 @@ class ScheduleRun:
         for g in ([f] if f.dst in self.policies else []) + run.mirrors:
             self.sim.at(now + self._reduce_time(g), self._count_completion, g.dst, run.stage)
 
+    def _received(self, rank: int, sid: int) -> dict:
+        """Bytes that reached ``rank`` in stage ``sid`` per plane, as the engine's
+        receivers count them: the controller's judge takes a stage sent on one
+        plane but received on both for no solo record (PathController.on_stage),
+        and without them every such stage was one in the simulator."""
+        got = dict.fromkeys(PLANES, 0)
+        for run in self.rendezvous.get((rank, sid), []):
+            for p in PLANES:
+                got[p] += run.carried[p]
+        return got
+
     def _reduce_time(self, f: Flow) -> float:
         rate = self.cluster.preset.reduce_GBps * 1e9
         return f.count * self.itemsize / rate if f.reduce and math.isfinite(rate) else 0.0
@@ -510,7 +523,9 @@ class ScheduleRun:
                                               carried, _short_reason(decision, rank)))
         if decision is not None:
             self._flush_feedback(rank)
-            self.policies[rank].on_stage(decision, self.stage_start[rank, sid], now, carried)
+            policy = self.policies[rank]
+            kw = {"received_by_plane": self._received(rank, sid)} if self._takes_received[rank] else {}
+            policy.on_stage(decision, self.stage_start[rank, sid], now, carried, **kw)
         self.unfinished[rank] -= 1
         if self.unfinished[rank] == 0:
             self.rank_done_at[rank] = now + self._local_copy_time(rank, self.schedule.epilogue)
