@@ -35,8 +35,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from mpccs.algorithms.schedule import Flow, Schedule
 from mpccs.algorithms.overlap import companion_flows
+from mpccs.algorithms.schedule import Flow, Schedule
 
 from .engine import Simulator
 from .fabric import PLANES, Cluster, Transfer
