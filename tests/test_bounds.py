@@ -16,6 +16,16 @@ MiB = 1 << 20
 TWO_BY_TWO = [0, 0, 1, 1]
 
 
+def _hier(channels: int, nbytes: int = 16 * MiB):
+    return build_schedule("all_reduce", 4, nbytes // 4, algorithm="hierarchical",
+                          topology=Topology.blocks(4, 2), channels=channels)
+
+
+def _testbed_2x2(up_GBps: float, out_GBps: float, latency_us: float):
+    """Two domains of two on shaped links, as the simulator's testbed preset lays them out."""
+    return Cluster(preset_for_testbed(PlaneFit(up_GBps, latency_us), PlaneFit(out_GBps, latency_us), world=2), 2)
+
+
 def test_two_to_one_rates_leave_no_room_over_the_overlapped_single_plane_policy():
     # The testbed's target-4 layout: up 1 Gbit/s, out 500 Mbit/s per rank.
     b = all_reduce_bounds(64 * MiB, TWO_BY_TWO, 125e6, 62.5e6)
@@ -59,12 +69,11 @@ def test_simulated_schedules_respect_the_bounds(up_GBps, out_GBps):
     fluid simulator, and the single-plane policy none below its own; more
     channels bring the single-plane policy closer to its bound."""
     nbytes = 64 * MiB
-    cluster = Cluster(preset_for_testbed(PlaneFit(up_GBps, 1.0), PlaneFit(out_GBps, 1.0), world=2), 2)
+    cluster = _testbed_2x2(up_GBps, out_GBps, 1.0)
     b = all_reduce_bounds(nbytes, TWO_BY_TWO, up_GBps * 1e9, out_GBps * 1e9)
     single = {}
     for channels in (1, 4):
-        schedule = build_schedule("all_reduce", 4, nbytes // 4, algorithm="hierarchical",
-                                  topology=Topology.blocks(4, 2), channels=channels)
+        schedule = _hier(channels, nbytes)
         single[channels] = simulate(schedule, cluster, FixedShare(0.0)).time_s
         assert single[channels] >= b.single_plane_s * 0.999
         for share in (0.1, 0.25, 0.4):
@@ -73,11 +82,6 @@ def test_simulated_schedules_respect_the_bounds(up_GBps, out_GBps):
 
 
 # --- the other channels' out-only load (mpccs.algorithms.overlap) -----------------------
-def _hier(channels: int, nbytes: int = 16 * MiB):
-    return build_schedule("all_reduce", 4, nbytes // 4, algorithm="hierarchical",
-                          topology=Topology.blocks(4, 2), channels=channels)
-
-
 def test_companions_carry_the_inter_domain_share_of_each_intra_domain_stage():
     topo = Topology.blocks(4, 2)
     schedule = _hier(4)
@@ -101,8 +105,7 @@ def test_no_companions_without_overlapping_out_only_load(schedule, domains):
     assert companion_flows(schedule, domains.same_domain) == {}
 
 
-def _controller_series(up_GBps: float, out_GBps: float, ops: int = 10) -> list:
-    cluster = Cluster(preset_for_testbed(PlaneFit(up_GBps, 200.0), PlaneFit(out_GBps, 200.0), world=2), 2)
+def _controller_series(cluster, ops: int = 10) -> list:
     make, controllers, now, times = controller_factory(), {}, 0.0, []
     for _ in range(ops):
         res = simulate(_hier(4, 64 * MiB), cluster,
@@ -119,9 +122,9 @@ def test_controller_balances_a_pipelined_hierarchical_all_reduce_in_the_simulato
     (the bound allows 1.33x); at 2:1, where the bound allows nothing, it stays
     on 'up' (without them: 1.00x and 0.75x)."""
     for up, out, gain in ((0.0625, 0.0625, 1.1), (0.125, 0.0625, 1.0)):
-        cluster = Cluster(preset_for_testbed(PlaneFit(up, 200.0), PlaneFit(out, 200.0), world=2), 2)
+        cluster = _testbed_2x2(up, out, 200.0)
         single = simulate(_hier(4, 64 * MiB), cluster, FixedShare(0.0)).time_s
-        last = _controller_series(up, out)[-1]
+        last = _controller_series(cluster)[-1]
         assert single / last >= gain * 0.999
         assert last >= all_reduce_bounds(64 * MiB, TWO_BY_TWO, up * 1e9, out * 1e9).multipath_s
 

@@ -1,5 +1,7 @@
 """flows.Splitter: which planes the coflow gives other ranks' flows, and what
 that does to this rank's own split (pure: no planes are opened)."""
+from mpccs.algorithms import build_schedule
+from mpccs.algorithms.overlap import companion_flows
 from mpccs.algorithms.schedule import Flow, Topology
 from mpccs.control import ControlConfig, PathController
 from mpccs.flows import Splitter
@@ -80,9 +82,6 @@ def pipelined_intra_stage(with_companions):
     """Rank 0's intra-domain flow in a 4-channel hierarchical all_reduce on two
     domains of two, both planes priced alike (1:1): the other channels send half
     as many bytes across domains as each intra-domain stage sends inside."""
-    from mpccs.algorithms import build_schedule
-    from mpccs.algorithms.overlap import companion_flows
-
     topo = Topology((0, 0, 1, 1))
     schedule = build_schedule("all_reduce", 4, 16 * MiB, algorithm="hierarchical", topology=topo, channels=4)
     stage = next(s for s in schedule.stages if s.label.startswith("intra rs"))
