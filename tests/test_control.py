@@ -1173,10 +1173,38 @@ def test_solo_records_judge_only_stages_of_a_comparable_size():
     from mpccs.control.controller import _RankState
     ctrl = PathController(ControlConfig())
     st = _RankState()
-    lat = {"up": 0.0, "out": 0.0}
     ctrl._record_solo(st, 0, "up", 64 * KiB, 1e-3, 0.0, k=1)  # 64 KiB in 1 ms: 66 MB/s
-    assert ctrl._solo_time(st, "up", 2 * MiB, lat) is None
-    assert ctrl._solo_time(st, "up", 100 * KiB, lat) == pytest.approx(100 * KiB / (64 * KiB / 1e-3))
+    assert ctrl._solo_time(st, "up", 2 * MiB) is None
+    assert ctrl._solo_time(st, "up", 100 * KiB) == pytest.approx(100 * KiB / (64 * KiB / 1e-3))
+
+
+def test_solo_time_is_rebuilt_with_the_latency_it_was_recorded_with():
+    # Rebuilt with a latency estimate that rose since (3.4 -> 19 us, pcie-p2p),
+    # a record made a probe as fast as 'up' alone read 17% faster: 'out' came back.
+    from mpccs.control.controller import _RankState
+    ctrl = PathController(ControlConfig())
+    st = _RankState()
+    ctrl._record_solo(st, 0, "up", 2 * MiB, 80e-6, 4e-6, k=1)
+    assert st.solo["up"][0].latency_s == 4e-6
+    assert ctrl._solo_time(st, "up", 2 * MiB) == pytest.approx(80e-6)
+    assert ctrl._solo_time(st, "up", 2 * MiB, best=True) == pytest.approx(80e-6)
+
+
+def test_solo_record_cap_takes_the_delivery_rate_after_the_stage():
+    # The cap (SOLO_OVER_DELIVERY_MAX x the plane's delivery rate) guards against
+    # tcp stages that end early; the rate the stage was planned with was measured
+    # while the plane shared a link with the other, and capped a true solo stage.
+    from mpccs.control.controller import SOLO_OVER_DELIVERY_MAX, _RankState
+    ctrl = PathController(ControlConfig(), rank=0)
+    st = _RankState()
+    planned = {"measured": True, "rate_Bps": 16e9}
+    ctrl._record_solo(st, 0, "up", 2 * MiB, 2 * MiB / 27e9, 0.0, k=1, est=planned, now=0.0)
+    assert st.solo["up"][-1].rate_Bps == pytest.approx(SOLO_OVER_DELIVERY_MAX * 16e9)  # nothing fresher known
+    for i in range(8):  # the stage's deliveries, back to back at 27 GB/s, on rank 0's path
+        ctrl.estimator.observe(0, "up", 1, MiB, 0.0, (i + 1) * MiB / 27e9, port=1)
+    assert SOLO_OVER_DELIVERY_MAX * ctrl.estimator.plane(0, "up", 1e-3).rate_Bps > 27e9
+    ctrl._record_solo(st, 0, "up", 2 * MiB, 2 * MiB / 27e9, 0.0, k=2, est=planned, now=1e-3)
+    assert st.solo["up"][-1].rate_Bps == pytest.approx(27e9, rel=1e-6)
 
 
 def test_unplanned_solo_stages_are_solo_records_of_now():
@@ -1191,5 +1219,5 @@ def test_unplanned_solo_stages_are_solo_records_of_now():
     ctrl.on_solo_stage("up", 64 * KiB, 1e-5)  # below min_multipath_bytes: a latency figure, not a rate
     assert not st.solo["up"]
     ctrl.on_solo_stage("up", 2 * MiB, 1e-3)
-    (k, rate, nbytes), = st.solo["up"]
-    assert (k, nbytes) == (7, 2 * MiB) and rate == pytest.approx(2 * MiB / 1e-3, rel=0.05)
+    record, = st.solo["up"]
+    assert (record.k, record.nbytes) == (7, 2 * MiB) and record.rate_Bps == pytest.approx(2 * MiB / 1e-3, rel=0.05)

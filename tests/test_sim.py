@@ -222,6 +222,20 @@ def test_controller_converges_near_tuned_share_on_testbed():
     assert sc.busbw(last.time_s) > 0.4
 
 
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
+def test_controller_drops_out_where_both_planes_share_one_pcie_link(collective):
+    # pcie-p2p: 'up' and 'out' both cross the GPU's x16 link, so a split is as
+    # fast as 'up' alone and borrows the NICs for nothing. The controller kept
+    # 16-43% on 'out': its check stage's solo record was capped at 1.2x the
+    # 'up' rate measured while 'up' shared the link, and probes repeated forever
+    # without the engine's operation clock (epoch).
+    sc = Scenario(PRESETS["pcie-p2p"], 1, collective, 16 * MiB)
+    runs = sc.series("rhd", controller_factory(), 13)
+    single = sc.run("rhd").time_s
+    assert max(r.out_share for r in runs[5:]) < 0.01
+    assert runs[-1].time_s == pytest.approx(single, rel=0.01)
+
+
 # --- timed events ----------------------------------------------------------------------
 def test_background_load_on_nics_slows_fixed_split_and_controller_adapts():
     sc = Scenario(PRESETS["pcie-shm"], 1, "all_reduce", 64 * MiB)

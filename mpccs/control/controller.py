@@ -18,7 +18,7 @@ import statistics
 import struct
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, NamedTuple, Optional, Sequence
 
 from . import qos
 from .estimator import PLANES, Estimator, EstimateView, PathEstimate, window_bytes
@@ -177,12 +177,21 @@ SHORT_BACKOFF_MAX = 32  # probe_spacing_s backs probes off to at most probe_ever
 FIRST_PROBE_AFTER = 4  # decisions (epochs) before the first probe of a plane that starts dropped: the median of 3 solo stages is the reference, not a cold first one
 
 
+class _SoloRecord(NamedTuple):
+    """One stage a rank ran on one plane alone."""
+
+    k: int             # decision count
+    rate_Bps: float    # bytes over the stage's time less latency_s
+    nbytes: int
+    latency_s: float   # the plane's latency estimate then: a solo time is rebuilt with it (_solo_time)
+
+
 @dataclass
 class _RankState:
     """Negative-value bookkeeping of one sending rank, from its realised stages."""
 
     dropped: set = field(default_factory=set)
-    solo: dict = field(default_factory=lambda: {p: deque(maxlen=5) for p in PLANES})  # (k, net rate, bytes)
+    solo: dict = field(default_factory=lambda: {p: deque(maxlen=5) for p in PLANES})  # _SoloRecord
     pending_check: Optional[str] = None
     joint: deque = field(default_factory=lambda: deque(maxlen=JOINT_STAGES_KEPT))  # judged joint stages: (bytes, s)
     regime_at_joint: int = 0
@@ -743,7 +752,6 @@ class PathController:
         used = [p for p in PLANES if bytes_by_plane.get(p, 0) > 0]
         if nbytes < cfg.min_multipath_bytes or not used:
             return
-        latency = {p: info["est"][p]["latency_s"] for p in PLANES}
         if len(used) == 1:
             # Sent on one plane but received on both, the stage ended with the
             # peer's split (over tcp the own sends complete once the socket
@@ -753,9 +761,10 @@ class PathController:
             alone = received_by_plane is None or not any(
                 n > 0 for p, n in received_by_plane.items() if p != used[0])
             if alone:
-                self._record_solo(st, src, used[0], nbytes, duration, latency[used[0]], k, info["est"][used[0]])
+                est = info["est"][used[0]]
+                self._record_solo(st, src, used[0], nbytes, duration, est["latency_s"], k, est, t_end)
             if info["mode"] == "check" and alone:
-                self._resolve_check(st, src, used[0], latency, k)
+                self._resolve_check(st, src, used[0], k)
             elif info["mode"] == "multipath" and not st.dropped:
                 self._note_unused(st, src, keep=used[0], k=k)
             return
@@ -766,9 +775,9 @@ class PathController:
         # itself) they dropped planes that paid. A record left low by a plane
         # that got faster keeps a plane that may not pay, until a check.
         if info["mode"] == "probe":
-            self._resolve_probe(st, src, info, nbytes, duration, latency, k)
+            self._resolve_probe(st, src, info, nbytes, duration, k)
         elif info["mode"] == "multipath":
-            self._judge_joint(st, src, info, nbytes, duration, latency, k)
+            self._judge_joint(st, src, info, nbytes, duration, k)
 
     def on_solo_stage(self, plane: str, nbytes: int, duration: float) -> None:
         """A stage's worth of this rank's bytes (``nbytes`` sent to each peer) that
@@ -786,7 +795,7 @@ class PathController:
         self._record_solo(st, self.rank, plane, nbytes, duration, latency, self._k)
 
     def _record_solo(self, st: _RankState, src: int, plane: str, nbytes: int, duration: float,
-                     latency: float, k: int, est: Optional[Mapping] = None):
+                     latency: float, k: int, est: Optional[Mapping] = None, now: Optional[float] = None):
         net = duration - latency
         net = net if net > 0.5 * duration else duration  # latency estimate off: keep the raw rate
         rate = nbytes / net
@@ -796,36 +805,46 @@ class PathController:
             # gated by a peer that split ends early. Such records (163-186
             # MB/s on a 125 MB/s link, testbed series) made joint stages that
             # beat 'up' alone by 25% look no faster, and 'out' was dropped.
-            # The receivers' delivery rate of the plane bounds it.
-            rate = min(rate, SOLO_OVER_DELIVERY_MAX * est["rate_Bps"])
+            # The receivers' delivery rate of the plane bounds it: the higher
+            # of the one the stage was planned with and the one after it. The
+            # first alone was measured while the plane shared a link with the
+            # other (pcie-p2p: both cross the GPU's x16; 'up' delivered 16.7
+            # GB/s of the link's 28): a check stage's 26.9 GB/s was recorded
+            # as 20, joint stages read 0.74x of solo, and 'out' stayed.
+            rate = min(rate, SOLO_OVER_DELIVERY_MAX * max(est["rate_Bps"], self._delivery_rate(src, plane, now)))
         q = st.solo[plane]
         if q and not 0.8 <= rate / _median_rate(q) <= 1.25:
             q.clear()  # a different regime: older records describe a plane that is gone
-        q.append((k, rate, nbytes))
+        q.append(_SoloRecord(k, rate, nbytes, latency if net < duration else 0.0))
 
-    def _solo_time(self, st: _RankState, plane: str, nbytes: int, latency: Mapping[str, float],
-                   best: bool = False) -> Optional[float]:
+    def _delivery_rate(self, src: int, plane: str, now: Optional[float]) -> float:
+        est = self.estimator.plane(src, plane, now)
+        return est.rate_Bps if est.measured else 0.0
+
+    def _solo_time(self, st: _RankState, plane: str, nbytes: int, best: bool = False) -> Optional[float]:
         """Time of ``nbytes`` on ``plane`` alone from its solo records of a
-        comparable size (within 2x): their median rate, or with ``best`` the
-        fastest (see _resolve_probe). A stage's rate depends on its size
-        (fixed costs weigh more in small ones), and a communicator runs many
-        sizes: a 2 MiB probe judged against records left by other sizes looked
-        like a gain on the default planes and re-added 'out' for good."""
-        rates = [r for _, r, n in st.solo[plane] if n / 2 <= nbytes <= 2 * n]
-        if not rates:
+        comparable size (within 2x): the median, or with ``best`` the fastest
+        (see _resolve_probe). A stage's rate depends on its size (fixed costs
+        weigh more in small ones), and a communicator runs many sizes: a 2 MiB
+        probe judged against records left by other sizes looked like a gain on
+        the default planes and re-added 'out' for good. Each record's time is
+        rebuilt with the latency it was recorded with: rebuilt with today's,
+        a latency estimate that rose 3.4 -> 19 us (pcie-p2p) made a probe as
+        fast as 'up' alone read 17% faster, and 'out' came back."""
+        times = [r.latency_s + nbytes / r.rate_Bps for r in st.solo[plane] if r.nbytes / 2 <= nbytes <= 2 * r.nbytes]
+        if not times:
             return None
-        rate = max(rates) if best else statistics.median(rates)
-        return latency[plane] + nbytes / rate
+        return min(times) if best else statistics.median(times)
 
-    def _best_solo(self, st, nbytes, latency, planes=PLANES) -> Optional[tuple[str, float]]:
-        times = {p: self._solo_time(st, p, nbytes, latency) for p in planes}
+    def _best_solo(self, st, nbytes, planes=PLANES) -> Optional[tuple[str, float]]:
+        times = {p: self._solo_time(st, p, nbytes) for p in planes}
         times = {p: t for p, t in times.items() if t is not None}
         if not times:
             return None
         plane = min(times, key=times.get)
         return plane, times[plane]
 
-    def _judge_joint(self, st, src, info, nbytes, duration, latency, k) -> None:
+    def _judge_joint(self, st, src, info, nbytes, duration, k) -> None:
         """A settled, well-predicted joint stage: does the second plane pay?
 
         The verdict is the median over the last few judged joint stages of
@@ -861,13 +880,13 @@ class PathController:
             st.mispredicted = 0
         st.joint.append((nbytes, duration))
         solo_planes = info["solo_planes"]
-        best = self._best_solo(st, nbytes, latency, solo_planes)
+        best = self._best_solo(st, nbytes, solo_planes)
         if best is None:
             plane = info["best_single"] if info["best_single"] in solo_planes else solo_planes[0]
             self._request_check(st, src, plane, k)
             return
         plane = best[0]
-        ratio = self._joint_over_solo(st, plane, latency)
+        ratio = self._joint_over_solo(st, plane)
         if ratio is None or ratio <= 1 - cfg.min_gain:
             return
         if len(st.joint) >= JOINT_STAGES_TO_DROP and self._solo_ref_fresh(st, src, plane, k):
@@ -875,10 +894,10 @@ class PathController:
         elif not self._solo_ref_fresh(st, src, plane, k):
             self._request_check(st, src, plane, k)
 
-    def _joint_over_solo(self, st, plane, latency) -> Optional[float]:
+    def _joint_over_solo(self, st, plane) -> Optional[float]:
         ratios = []
         for nbytes, duration in st.joint:
-            t_solo = self._solo_time(st, plane, nbytes, latency)
+            t_solo = self._solo_time(st, plane, nbytes)
             if t_solo:
                 ratios.append(duration / t_solo)
         return statistics.median(ratios) if ratios else None
@@ -903,9 +922,9 @@ class PathController:
         st.pending_check = plane
         st.regime_at_check = regime
 
-    def _resolve_check(self, st, src, plane, latency, k) -> None:
+    def _resolve_check(self, st, src, plane, k) -> None:
         """The solo record is fresh now: judge the joint stages that raised the doubt."""
-        ratio = self._joint_over_solo(st, plane, latency)
+        ratio = self._joint_over_solo(st, plane)
         if ratio is not None and ratio > 1 - self.config.min_gain and len(st.joint) >= JOINT_STAGES_TO_DROP:
             self._drop(st, src, keep=plane, k=k, evidence=self._joint_evidence(st, ratio))
 
@@ -915,14 +934,14 @@ class PathController:
         return {"joint_over_solo": ratio, "joint_s": [round(d, 6) for _, d in st.joint],
                 "regime": st.regime_at_joint}
 
-    def _resolve_probe(self, st, src, info, nbytes, duration, latency, k) -> None:
+    def _resolve_probe(self, st, src, info, nbytes, duration, k) -> None:
         cfg = self.config
         keep = next((p for p in PLANES if p not in st.dropped), None)
-        t_solo = self._solo_time(st, keep, nbytes, latency) if keep else None
+        t_solo = self._solo_time(st, keep, nbytes) if keep else None
         # A re-add must beat the plane's best solo record, not the median: the
         # records of a communicator's first, cold operations are slow, and
         # probes judged against them re-added 'out' on the default planes.
-        t_best = self._solo_time(st, keep, nbytes, latency, best=True) if keep else None
+        t_best = self._solo_time(st, keep, nbytes, best=True) if keep else None
         # No solo record (cleared by a regime change) is no evidence: the
         # stages the dropped plane leaves solo refill it before the next probe.
         if t_best is not None and duration < t_best * (1 - cfg.readd_margin):

@@ -115,11 +115,11 @@ class Scenario:
 
         stateless = hasattr(policy_factory, "decide")
         results, now = [], 0.0
-        for _ in range(ops):
+        for op in range(ops):
             if stateless:
                 res = self.run(algorithm, policy_factory, start_s=now, **kw)
             else:
-                res = self.run(algorithm, policy_factory=persistent, start_s=now, **kw)
+                res = self.run(algorithm, policy_factory=persistent, start_s=now, epoch=op, **kw)
             results.append(res)
             now += res.time_s
         return results

@@ -236,7 +236,7 @@ class ScheduleRun:
     def __init__(self, schedule: Schedule, cluster: Cluster, policy_for: Callable[[int], object], *,
                  itemsize: int = 4, chunk_bytes: int = MiB, window_bytes: Optional[int] = 16 * MiB,
                  aggregate=False, events: Sequence = (), feedback: bool = True,
-                 align: Optional[int] = None, start_s: float = 0.0):
+                 align: Optional[int] = None, start_s: float = 0.0, epoch: Optional[int] = None):
         if schedule.world != cluster.world:
             raise ValueError(f"schedule has {schedule.world} ranks, cluster {cluster.world}")
         self.schedule = schedule
@@ -252,10 +252,9 @@ class ScheduleRun:
         self.reps = _representatives(schedule, cluster, aggregate)
         self.aggregated = len(self.reps) < cluster.world
         self.policies = {r: policy_for(r) for r in self.reps}
-        # mpccs.control's controller takes the engine's chunk size; fixed policies do not.
-        self._decide_kw = {r: ({"chunk_bytes": chunk_bytes}
-                               if "chunk_bytes" in inspect.signature(p.decide).parameters else {})
-                           for r, p in self.policies.items()}
+        # mpccs.control's controller takes the engine's chunk size and the
+        # operations' shared clock (its probes fall on a grid of it); fixed policies do not.
+        self._decide_kw = {r: _decide_kwargs(p, chunk_bytes=chunk_bytes, epoch=epoch) for r, p in self.policies.items()}
         self._takes_received = {r: "received_by_plane" in inspect.signature(p.on_stage).parameters
                                 for r, p in self.policies.items()}
         self.error: Optional[str] = None
@@ -717,17 +716,25 @@ def _representatives(schedule: Schedule, cluster: Cluster, aggregate) -> list[in
     return list(range(cluster.preset.gpus_per_domain))
 
 
+def _decide_kwargs(policy, **offered) -> dict:
+    """The keywords of ``offered`` that ``policy.decide`` takes (and that are set)."""
+    params = inspect.signature(policy.decide).parameters
+    return {k: v for k, v in offered.items() if k in params and v is not None}
+
+
 def simulate(schedule: Schedule, cluster: Cluster, policy=None, *, policy_factory=None,
              itemsize: int = 4, chunk_bytes: int = MiB, window_bytes: Optional[int] = 16 * MiB,
              aggregate="auto", events: Sequence = (), feedback: bool = True,
-             start_s: float = 0.0) -> SimResult:
+             start_s: float = 0.0, epoch: Optional[int] = None) -> SimResult:
     """Run ``schedule`` on ``cluster``.
 
     ``policy``: one stateless policy object for every rank (None: single
     plane); or ``policy_factory(rank)``: one controller per rank, as in real
     runs. A policy has ``decide``, ``on_chunk`` and ``on_stage``.
     ``start_s``: the clock at the operation's start (timed events use the
-    same clock), so controllers can live across back-to-back operations.
+    same clock), so controllers can live across back-to-back operations;
+    ``epoch``: the operation's index among them, the clock the engine's ranks
+    share (PathController.decide: re-probes fall on a grid of it).
     Returns the operation's duration in ``time_s``.
     """
     if policy is not None and policy_factory is not None:
@@ -739,5 +746,5 @@ def simulate(schedule: Schedule, cluster: Cluster, policy=None, *, policy_factor
         policy_for = policy_factory
     run = ScheduleRun(schedule, cluster, policy_for, itemsize=itemsize, chunk_bytes=chunk_bytes,
                       window_bytes=window_bytes, aggregate=aggregate, events=events, feedback=feedback,
-                      start_s=start_s)
+                      start_s=start_s, epoch=epoch)
     return run.run()
