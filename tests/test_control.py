@@ -818,6 +818,27 @@ def test_tuner_pipelines_hierarchical_schedules_over_channels():
     assert forced.channels == 1 and forced.reason["channels"] == "override"
 
 
+@pytest.mark.parametrize("up_over_out", [1.0, 2.0, 3.0])
+def test_tuner_prices_hierarchical_channels_and_the_split_they_leave(up_over_out):
+    # With four channels the cross-domain phases ('out') overlap the in-domain
+    # ones ('up'): on the 2x2 testbed a split gains at most the closed-form
+    # ceiling (mpccs.sim.bounds), nothing from 'up' / 'out' = 2 on. Priced as
+    # one channel, the tuner called 64 MiB at 2:1 "multipath" (+20%; 1.50x at 1:1).
+    from mpccs.sim.bounds import all_reduce_bounds
+    out_Bps = 125e6
+    est = {"up": PathModel(up_over_out * out_Bps, 50e-6), "out": PathModel(out_Bps, 50e-6)}
+    plan = choose("all_reduce", 4, 64 * MiB, Topology((0, 0, 1, 1)), est)
+    assert (plan.algorithm, plan.channels) == ("hierarchical", 4)
+    times = plan.reason["times_s"]["hierarchical"]
+    ceiling = all_reduce_bounds(64 * MiB, (0, 0, 1, 1), up_over_out * out_Bps, out_Bps).ceiling
+    gain = times["single"] / times["multipath"]
+    assert gain <= ceiling * 1.001
+    if ceiling > 1.01:  # 1:1: 4/3; priced 1.29 (one channel's first and last in-domain phases overlap nothing)
+        assert gain > 1 + 0.8 * (ceiling - 1) and plan.split_policy == "multipath"
+    else:
+        assert gain == pytest.approx(1.0, abs=1e-3) and plan.split_policy == "single"
+
+
 def test_tuner_ring_matches_trg_closed_form_on_one_plane():
     p, n, a, b = 8, 64 * MiB, 10e-6, 10e9
     est = {"up": PathModel(b, a), "out": PathModel(b / 10, a)}

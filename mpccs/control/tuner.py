@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional, Union
 
 from .split import PathModel, equal_finish
@@ -297,15 +297,38 @@ def _hier_parts(domain_of) -> Optional[tuple[int, int]]:
     return sizes[0], len(sizes)
 
 
-def _hier_rs(f: _Fabric, n: float, reduce: bool) -> float:
+def _hier(f: _Fabric, n: float, reduce_scatter: bool, all_gather: bool) -> float:
+    """Hierarchical phases on the channels the engine runs them on (pipeline_channels).
+
+    Reduce-scatter: in-domain (L - 1 steps of n / L, on 'up'), then across
+    domains (D - 1 steps of n / (L D), on 'out'); all-gather the reverse. One
+    channel runs them one after the other. With c channels one channel's
+    cross-domain phase overlaps another's in-domain phases: about
+    ``max(intra, inter) + min(intra, inter) / c`` (on the 2x2 testbed within
+    a few % of 1, 2 and 4 channels). With multipath the in-domain bytes may
+    also take 'out', which the overlapped cross-domain phases occupy: balanced,
+    both planes end at ``(intra B_up + inter B_out) / (B_up + B_out)``, unless
+    the cross-domain phases alone take longer (mpccs.sim.bounds: from
+    ``B_up / B_out >= (L - 1) D / (D - 1)`` on, splitting gains nothing).
+    """
     parts = _hier_parts(f.domain_of)
     if parts is None:
         return math.inf
     local, doms = parts
-    intra = (local - 1) * f.step(n / local, False)
-    inter = (doms - 1) * f.step(n / (local * doms), True)
-    red = f.gamma * (n * (local - 1) / local + n / local * (doms - 1) / doms) if reduce else 0.0
-    return intra + inter + red
+    channels = _channels_for(local, n)
+    on_up = replace(f, multipath=False) if channels > 1 else f  # one channel: a step splits as it runs
+    intra = inter = 0.0
+    for reduce in [True] * reduce_scatter + [False] * all_gather:
+        intra += (local - 1) * on_up.step(n / local, False) + (f.gamma * n * (local - 1) / local if reduce else 0.0)
+        inter += (doms - 1) * f.step(n / (local * doms), True) + (f.gamma * n / local * (doms - 1) / doms
+                                                                  if reduce else 0.0)
+    if channels == 1:
+        return intra + inter
+    busy = max(intra, inter)
+    if f.multipath and n / local / channels >= f.min_multipath_bytes:
+        up, out = f.up.rate_Bps, f.out.rate_Bps
+        busy = max(inter, (intra * up + inter * out) / (up + out))
+    return busy + min(intra, inter) / channels
 
 
 def _cost_all_reduce(f: _Fabric, alg: str, n: float, chunk: int) -> float:
@@ -323,7 +346,7 @@ def _cost_all_reduce(f: _Fabric, alg: str, n: float, chunk: int) -> float:
         return 2 * (_fold(f, n) + steps) + f.gamma * n * _lg(p)
     if alg == "hierarchical":
         # intra reduce-scatter, inter reduce-scatter + all-gather of n/L, intra all-gather
-        return _hier_rs(f, n, True) + _hier_rs(f, n, False)
+        return _hier(f, n, True, True)
     raise KeyError(alg)
 
 
@@ -336,13 +359,13 @@ def _cost(f: _Fabric, collective: str, alg: str, n: float, chunk: int) -> float:
             return _ring_rs(f, n, True)
         if alg == "rhd":
             return _fold(f, n) + _rhd_rs(f, n, True)
-        return _hier_rs(f, n, True)
+        return _hier(f, n, True, False)
     if collective == "all_gather":
         if alg == "ring":
             return _ring_rs(f, n, False)
         if alg == "rd":
             return _fold(f, n) + _rd_ag(f, n)
-        return _hier_rs(f, n, False)
+        return _hier(f, n, False, True)
     if collective in ("all_to_all", "all_to_allv"):
         return sum(f.step(n / p, f.cross((r, (r + k) % p) for r in range(p))) for k in range(1, p))
     if collective in ("broadcast", "reduce"):
@@ -403,17 +426,20 @@ def pipeline_channels(algorithm: str, topology, nbytes: int) -> int:
     inter-domain phase overlaps another's intra-domain phases. On the 2x2
     testbed (1 / 0.5 Gbit/s) the hierarchical all_reduce on 'up' went from
     0.087-0.091 GB/s busbw (one channel) to 0.117-0.118 (two) and 0.136-0.143
-    (four) at 16-64 MiB, about max(intra, inter) + min(intra, inter) / c (the
-    cost model, which picks the algorithm, does not price it). Up to
-    PIPELINE_CHANNELS_MAX, while a channel's intra-domain step (nbytes /
-    domain size / c) stays at least PIPELINE_STEP_MIN.
+    (four) at 16-64 MiB, about max(intra, inter) + min(intra, inter) / c (as
+    the cost model prices it, _hier). Up to PIPELINE_CHANNELS_MAX, while a
+    channel's intra-domain step (nbytes / domain size / c) stays at least
+    PIPELINE_STEP_MIN.
     """
     if algorithm != "hierarchical" or topology is None:
         return 1
     parts = _hier_parts(topology.domain_of)
     if parts is None:
         return 1  # the schedule falls back to ring
-    local = parts[0]
+    return _channels_for(parts[0], nbytes)
+
+
+def _channels_for(local: int, nbytes: float) -> int:
     channels = 1
     while channels < PIPELINE_CHANNELS_MAX and nbytes / local / (2 * channels) >= PIPELINE_STEP_MIN:
         channels *= 2
@@ -481,7 +507,8 @@ def choose(collective: str, world: int, nbytes: int, topology, estimates: Mappin
         "multipath_allowed": allow_multipath,
         "channels": "override" if rule is not None and rule.channels is not None else (
             f"{channels}: hierarchical, one channel's inter-domain phase ('out') overlaps another's intra-domain "
-            f"phases ('up'), channel steps >= {PIPELINE_STEP_MIN >> 20} MiB" if channels > 1 else
-            "1: the model has no term that rewards more channels here"),
+            f"phases ('up'), channel steps >= {PIPELINE_STEP_MIN >> 20} MiB (priced so)" if channels > 1 else
+            "1: only hierarchical schedules across domains run channels, on steps of >= "
+            f"{PIPELINE_STEP_MIN >> 20} MiB"),
     }
     return Plan(algorithm, channels, int(chunk), policy, reason)
