@@ -304,8 +304,8 @@ def _hier(f: _Fabric, n: float, reduce_scatter: bool, all_gather: bool) -> float
     domains (D - 1 steps of n / (L D), on 'out'); all-gather the reverse. One
     channel runs them one after the other. With c channels one channel's
     cross-domain phase overlaps another's in-domain phases: about
-    ``max(intra, inter) + min(intra, inter) / c`` (on the 2x2 testbed within
-    a few % of 1, 2 and 4 channels). With multipath the in-domain bytes may
+    ``max(intra, inter) + min(intra, inter) / c`` (on the 2x2 testbed it predicts
+    busbw 3-8, 6-7 and 5-10% above what 1, 2 and 4 channels measured). With multipath the in-domain bytes may
     also take 'out', which the overlapped cross-domain phases occupy: balanced,
     both planes end at ``(intra B_up + inter B_out) / (B_up + B_out)``, unless
     the cross-domain phases alone take longer (mpccs.sim.bounds: from
@@ -507,7 +507,7 @@ def choose(collective: str, world: int, nbytes: int, topology, estimates: Mappin
         "multipath_allowed": allow_multipath,
         "channels": "override" if rule is not None and rule.channels is not None else (
             f"{channels}: hierarchical, one channel's inter-domain phase ('out') overlaps another's intra-domain "
-            f"phases ('up'), channel steps >= {PIPELINE_STEP_MIN >> 20} MiB (priced so)" if channels > 1 else
+            f"phases ('up'), channel steps >= {PIPELINE_STEP_MIN >> 20} MiB, priced overlapped" if channels > 1 else
             "1: only hierarchical schedules across domains run channels, on steps of >= "
             f"{PIPELINE_STEP_MIN >> 20} MiB"),
     }
