@@ -795,7 +795,8 @@ class CollectiveOp(Operation):
         super()._fail(exc)
 
     def _complete(self) -> None:
-        self.deferred.flush()
+        self.deferred.flush(scratch_reads=[(c.src_buf, c.src_off, c.src_off + c.count)
+                                           for c in self.schedule.epilogue if c.rank == self.rank])
         self._run_copies(self.schedule.epilogue)
         if self.finalize is not None:
             self.finalize()

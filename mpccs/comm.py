@@ -567,9 +567,11 @@ class Communicator:
             fp = fingerprint.make(name, op, dtype, schedule.algorithm, schedule.root, chunk_bytes, count, protected,
                                   whole_flows)
         snapshot, unsaved, resume = None, False, False
-        if protected and name in ("all_reduce", "reduce") and np.shares_memory(buffers["in"], buffers["out"]):
+        reduces_into_input = name in ("all_reduce", "reduce", "reduce_scatter")
+        if protected and reduces_into_input and np.shares_memory(buffers["in"], buffers["out"]):
             # A retry cannot restart from an input the first attempt reduced
-            # over. Where the schedule allows, it resumes over the buffers as
+            # over (in place, a ring reduce_scatter's last step reduces into the
+            # rank's own input block). Where the schedule allows, it resumes over the buffers as
             # left instead (algorithms/resume.py); otherwise it restarts from a
             # copy. Under 'adaptive', when every rank has 'out' dropped with no
             # probe due (the piggybacked flags say so), skip the copy: a failure

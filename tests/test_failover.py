@@ -26,7 +26,8 @@ from mpccs.testbed import Cluster, TestbedUnavailable, check_available
 
 BIN = os.path.dirname(sys.executable)
 JOB = os.path.join(os.path.dirname(__file__), "programs", "failover_job.py")
-COLLECTIVES = ["all_reduce", "all_reduce_inplace", "all_reduce_inplace_late", "all_gather", "all_to_all"]
+COLLECTIVES = ["all_reduce", "all_reduce_inplace", "all_reduce_inplace_late", "reduce_scatter_inplace", "all_gather",
+               "all_to_all"]
 
 
 def clean_env():
@@ -55,7 +56,10 @@ def check_rows(rows_by_rank: dict, size: int, how: str) -> None:
             assert how in row["failover"]["reason"], where
             assert row["events"] == ["plane_failure", "retry"], where
             assert row["rejoined_after_ops"] is not None, where
-            if "inplace" in row["collective"]:
+            if row["collective"] == "reduce_scatter_inplace":
+                # its last step reduces into the rank's own input block: the retry restarts from a copy
+                assert row["input_saved"] == "copy", where
+            elif "inplace" in row["collective"]:
                 # ring: the retry resumes over the buffer as left, no input copy
                 assert row["input_saved"] == "resume", where
                 if row["collective"].endswith("_late") and rank == 1:

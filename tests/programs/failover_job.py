@@ -34,6 +34,11 @@ def inputs(name, rank, size, n):
     if name in ("all_reduce_inplace", "all_reduce_inplace_late"):
         buf = data(rank)
         return buf, None, sum(data(r) for r in range(size))
+    if name == "reduce_scatter_inplace":  # recv is this rank's block of send
+        block = n // size
+        buf = data(rank)[: block * size]
+        expected = sum(data(r)[: block * size] for r in range(size))[rank * block:(rank + 1) * block]
+        return buf, buf[rank * block:(rank + 1) * block], expected
     if name == "all_gather":
         return data(rank), np.empty(n * size, np.int64), np.concatenate([data(r) for r in range(size)])
     if name == "all_to_all":
