@@ -28,7 +28,7 @@ from .direct_ops import fp_blob_capacity
 from .errors import PlaneFailure, ProtocolError, TransportError
 from .flows import MIN_CHUNK_BYTES, MIN_SAMPLE_BYTES, InFlow, OutFlow, Splitter, StagePlan, StageRun
 from .operation import FP_BYTES, Operation, check_fingerprint
-from .prologue import DeferredCopies
+from .prologue import EARLY_COPY_BYTES, DeferredCopies, merged_ranges
 from .reduce import reduce_into, reduce_to
 from .telemetry import wall
 from .two_step import TwoStepExecutor
@@ -58,6 +58,7 @@ class LocalPlan:
     dependents: dict
     stage_by_id: dict
     initial_ready: tuple
+    written: dict  # buffer -> sorted disjoint (lo, hi) element ranges the rank's incoming flows write
 
 
 def exchanges_with_everyone(schedule: Schedule) -> bool:
@@ -91,6 +92,7 @@ def local_plan(schedule: Schedule, rank: int) -> LocalPlan:
             peers_out, peers_in, tuple(sorted(set(peers_out) | set(peers_in))),
             {s.id: len(s.deps) for s in schedule.stages}, dependents,
             {s.id: s for s in schedule.stages}, tuple(s.id for s in schedule.stages if not s.deps),
+            merged_ranges((f.dst_buf, f.dst_off, f.dst_off + f.count) for f in flows if f.dst == rank),
         )
         schedule.meta[key] = plan
     return plan
@@ -192,7 +194,7 @@ class CollectiveOp(Operation):
         self.remaining_deps = dict(local.dep_counts)
         self.dependents = local.dependents
         self.stage_by_id = local.stage_by_id
-        self.deferred = DeferredCopies(self.schedule.prologue, self.rank, self.buffers)
+        self.deferred = DeferredCopies(self.schedule.prologue, self.rank, self.buffers, written=local.written)
         self.ready = list(local.initial_ready)
 
     def _exchange_fingerprints(self) -> None:
@@ -444,6 +446,8 @@ class CollectiveOp(Operation):
         moved |= self._reap_sends()
         moved |= self._post_sends()
         moved |= self._retire_stages()
+        if not moved and self.deferred:
+            moved = self.deferred.copy_early(EARLY_COPY_BYTES)
         if self.stages_done == len(self.schedule.stages) and not self.ready and not self._fp_recvs:
             if self.protected and self.others:
                 self._enter_finish()
