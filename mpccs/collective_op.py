@@ -446,7 +446,7 @@ class CollectiveOp(Operation):
         moved |= self._reap_sends()
         moved |= self._post_sends()
         moved |= self._retire_stages()
-        if not moved and self.deferred:
+        if not moved:
             moved = self.deferred.copy_early(EARLY_COPY_BYTES)
         if self.stages_done == len(self.schedule.stages) and not self.ready and not self._fp_recvs:
             if self.protected and self.others:

@@ -254,8 +254,9 @@ class ScheduleRun:
         self.policies = {r: policy_for(r) for r in self.reps}
         # mpccs.control's controller takes the engine's chunk size and the
         # operations' shared clock (its probes fall on a grid of it); fixed policies do not.
-        self._decide_kw = {r: _decide_kwargs(p, chunk_bytes=chunk_bytes, epoch=epoch) for r, p in self.policies.items()}
-        self._takes_received = {r: "received_by_plane" in inspect.signature(p.on_stage).parameters
+        self._decide_kw = {r: _accepted(p.decide, chunk_bytes=chunk_bytes, epoch=epoch)
+                           for r, p in self.policies.items()}
+        self._takes_received = {r: bool(_accepted(p.on_stage, received_by_plane=True))
                                 for r, p in self.policies.items()}
         self.error: Optional[str] = None
         self._feedback: dict = {}  # rank -> chunk completions not yet delivered
@@ -716,9 +717,9 @@ def _representatives(schedule: Schedule, cluster: Cluster, aggregate) -> list[in
     return list(range(cluster.preset.gpus_per_domain))
 
 
-def _decide_kwargs(policy, **offered) -> dict:
-    """The keywords of ``offered`` that ``policy.decide`` takes (and that are set)."""
-    params = inspect.signature(policy.decide).parameters
+def _accepted(method, **offered) -> dict:
+    """The keywords of ``offered`` that ``method`` takes (and that are set): policies differ in what they take."""
+    params = inspect.signature(method).parameters
     return {k: v for k, v in offered.items() if k in params and v is not None}
 
 
