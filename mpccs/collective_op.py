@@ -187,6 +187,7 @@ class CollectiveOp(Operation):
         self.active: list[StageRun] = []
         self.out_chunks: list = []  # (req, outflow, plane, nbytes, t_post, stagerun)
         self.in_chunks: list = []  # (req, inflow, index, scratch, stagerun, plane, nbytes)
+        self.last_look = 0.0  # when _post_receives last ran (see StageRun.delivery_samples)
         self.inflight = {UP: 0, OUT: 0}
         self.window = dict(self.splitter.window_bytes)
         self.stages_done = 0
@@ -617,17 +618,23 @@ class CollectiveOp(Operation):
 
     def _post_receives(self) -> bool:
         moved = False
+        # What the previous look found missing arrived since: the bound on how
+        # late a peer evidently started (StageRun.delivery_samples).
+        last_look, self.last_look = self.last_look, time.perf_counter()
         for run in self.active:
             for inflow in run.ins:
                 if inflow.done or inflow.peer not in self.verified:
                     continue
                 for plane in inflow.planes:
+                    found = False
                     while True:
                         probe = plane.probe(inflow.tag_base, wire.MASK_STREAM)
                         if probe is None:
                             break
                         self._accept_chunk(run, inflow, plane, probe)
-                        moved = True
+                        moved = found = True
+                    if found:
+                        run.note_first_chunk(plane.name, inflow.peer, last_look)
         return moved
 
     def _accept_chunk(self, run: StageRun, inflow: InFlow, plane, probe) -> None:

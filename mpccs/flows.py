@@ -339,6 +339,9 @@ class StageRun:
     bytes_by_plane: dict = field(default_factory=lambda: {UP: 0, OUT: 0})
     # (plane, peer) -> [first arrival, last arrival, bytes arrived, chunks arrived]
     arrivals: dict = field(default_factory=dict)
+    # (plane, peer) -> the last time this rank looked for the peer's chunks
+    # there and found none (set when its first chunk is found)
+    silent_until: dict = field(default_factory=dict)
 
     @property
     def done(self) -> bool:
@@ -352,6 +355,11 @@ class StageRun:
             record[1] = now
             record[2] += nbytes
             record[3] += 1
+
+    def note_first_chunk(self, plane: str, peer: int, last_empty_look: float) -> None:
+        """The peer's first chunk on ``plane`` was found; ``last_empty_look``:
+        when this rank had last looked (or this stage's start, if later)."""
+        self.silent_until.setdefault((plane, peer), max(self.t_start, last_empty_look))
 
     def received_by_plane(self) -> dict:
         """Bytes that arrived in this stage per plane (chunks of at least MIN_SAMPLE_BYTES)."""
@@ -378,13 +386,26 @@ class StageRun:
         read slow: under a load on one direction of a 2-rank ring the other
         rank starts each all-gather late, its paths looked 30% slower than
         they were, it became the critical rank of the plan, and the loaded
-        rank put everything on 'up' (testbed, 1.2x slower operations). The
-        estimator sees one chunk posted to an idle plane and fits rate and
+        rank put everything on 'up' (testbed, 1.2x slower operations).
+
+        A late first chunk is evidence of a late peer only if this rank was
+        looking for it: the interval starts no later than this rank's last
+        look that found nothing (``silent_until``). A rank that spends the
+        stage's first milliseconds posting its own window (a 2.4 / 1.2 Gbit/s
+        tcp testbed, 16 MiB all_gather: 3-8 ms without a look) finds chunks
+        that waited in its socket buffers in a bunch; timed from the first of
+        them less their spacing, 'up' read 400-870 MB/s on a 300 MB/s link
+        and 'out' 160-520 on 150, the split swung between the planes and
+        stages took up to 1.3x their plan. From the last empty look they read
+        315-385 and 150-170 (the tbf bucket refills between operations).
+
+        The estimator sees one chunk posted to an idle plane and fits rate and
         delay from such samples (its idle-only model).
         """
         for (plane, peer), (first, last, nbytes, chunks) in self.arrivals.items():
             start = self.t_start
             if chunks > 1:
-                start = max(start, first - (last - first) / (chunks - 1))
+                late = first - (last - first) / (chunks - 1)
+                start = max(start, min(late, self.silent_until.get((plane, peer), start)))
             if nbytes and last > start:
                 yield plane, peer, nbytes, start, last

@@ -8,17 +8,20 @@ from mpccs.flows import StageRun
 MB = 1 << 20
 
 
-def stage_run(t_start, arrivals):
+def stage_run(t_start, arrivals, last_empty_looks=None):
     run = StageRun(Stage(0, ()), [], [], None, t_start)
+    for (plane, peer), t in (last_empty_looks or {}).items():
+        run.note_first_chunk(plane, peer, t)
     for plane, peer, nbytes, t in arrivals:
         run.note_arrival(plane, peer, nbytes, t)
     return run
 
 
 def test_a_peer_that_started_late_is_timed_from_its_first_chunk_less_one_spacing():
-    # This rank started at 0; the peer's four 1 MB chunks land 10 ms apart from
-    # 50 ms on (it started the stage at ~40 ms): 100 MB/s, not 4 MB / 80 ms.
-    run = stage_run(0.0, [("out", 1, MB, t) for t in (0.05, 0.06, 0.07, 0.08)])
+    # This rank started at 0 and kept looking (last in vain at 49 ms); the
+    # peer's four 1 MB chunks land 10 ms apart from 50 ms on (it started the
+    # stage at ~40 ms): 100 MB/s, not 4 MB / 80 ms.
+    run = stage_run(0.0, [("out", 1, MB, t) for t in (0.05, 0.06, 0.07, 0.08)], {("out", 1): 0.049})
     (plane, peer, nbytes, start, end), = run.delivery_samples()
     assert (plane, peer, nbytes) == ("out", 1, 4 * MB)
     assert start == pytest.approx(0.04) and end == pytest.approx(0.08)
@@ -34,3 +37,22 @@ def test_chunks_that_waited_in_the_buffers_are_timed_from_the_stage_start():
     # one chunk: no spacing to go by, the stage start it is
     assert samples[("out", 0)] == (1.0, 1.03)
     assert run.received_by_plane() == {"up": 4 * MB, "out": MB}
+
+
+def test_a_late_first_chunk_counts_only_from_this_ranks_last_look():
+    # This rank looked at 1 ms, then spent 7 ms posting its own sends; the
+    # peer's chunks had waited in the socket buffers and are found in a bunch
+    # from 8 ms on. Timed from 8 ms less their spacing the link would read
+    # 4 MB / 5 ms; the peer was late by at most 1 ms: 4 MB / 11 ms.
+    arrivals = [("up", 1, MB, t) for t in (0.008, 0.008, 0.009, 0.012)]
+    run = stage_run(0.0, arrivals, {("up", 1): 0.001})
+    (_, _, _, start, end), = run.delivery_samples()
+    assert (start, end) == (pytest.approx(0.001), pytest.approx(0.012))
+
+
+def test_a_first_chunk_found_at_the_first_look_means_a_punctual_peer():
+    # The first look of the stage found it (the last look was before the
+    # stage began): the stage start, whatever the spacing says.
+    run = stage_run(1.0, [("up", 1, MB, t) for t in (1.006, 1.007, 1.008)], {("up", 1): 0.9})
+    (_, _, _, start, _), = run.delivery_samples()
+    assert start == 1.0
