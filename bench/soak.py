@@ -186,7 +186,19 @@ def run_one(comm, spec, inject: bool, late_s: float = 0.0) -> tuple[bool, dict]:
         ok = np.allclose(got.astype(np.float64), expected.astype(np.float64), rtol=1e-2, atol=1e-2)
     else:
         ok = np.array_equal(got, expected)
+    if not ok:
+        stats = {**stats, "mismatch": mismatch(got, expected)}
     return bool(ok), stats
+
+
+def mismatch(got: np.ndarray, expected: np.ndarray) -> dict:
+    """Where a wrong result differs: enough to tell a lost chunk from a stale
+    one or a wrong reduction without rerunning (a soak failure may not recur)."""
+    bad = np.flatnonzero(got.astype(np.float64) != expected.astype(np.float64))
+    runs = np.split(bad, np.flatnonzero(np.diff(bad) != 1) + 1) if bad.size else []
+    return {"elements": int(bad.size), "of": int(got.size),
+            "ranges": [[int(r[0]), int(r[-1]) + 1] for r in runs[:8]],
+            "first": {"got": got[bad[0]].item(), "expected": expected[bad[0]].item()} if bad.size else None}
 
 
 def rank_main(args) -> int:
@@ -231,7 +243,10 @@ def rank_main(args) -> int:
             # ... over ranges the failed attempt had already reduced in on this rank
             summary["resumed_over_reduced"] += (stats.get("failover") or {}).get("resumed_elements", 0) > 0
         if not ok:
-            summary["wrong"].append({"op": i, "spec": {**spec, "dtype": str(spec["dtype"])}})
+            summary["wrong"].append({"op": i, "spec": {**spec, "dtype": str(spec["dtype"])},
+                                     "mismatch": stats["mismatch"], "attempts": stats.get("attempts"),
+                                     "failover": stats.get("failover"), "bytes_per_plane": stats.get("bytes_per_plane"),
+                                     "injected": inject})
         if (i + 1) % 250 == 0:
             summary.setdefault("rss_mib", []).append(round(rss_bytes() / 2**20, 1))
             summary.setdefault("scratch_mib", []).append(

@@ -40,3 +40,20 @@ def test_short_soak(tmp_path, ranks, seed, extra_env, extra_args):
         # catches a gross one, e.g. a buffer per operation kept alive.
         assert s["rss_growth"] < 0.5, s
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+
+
+def test_a_wrong_result_is_reported_with_where_it_differs():
+    # A soak failure may not recur: the report says which elements differ.
+    import importlib.util
+
+    import numpy as np
+    spec = importlib.util.spec_from_file_location("soak", SOAK)
+    soak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(soak)
+    expected = np.arange(1, 11, dtype=np.int32)
+    got = expected.copy()
+    got[3:5] = 0
+    got[8] = 7
+    assert soak.mismatch(got, expected) == {"elements": 3, "of": 10, "ranges": [[3, 5], [8, 9]],
+                                            "first": {"got": 0, "expected": 4}}
+    assert soak.mismatch(expected, expected)["elements"] == 0
