@@ -397,7 +397,7 @@ class StageRun:
         them less their spacing, 'up' read 400-870 MB/s on a 300 MB/s link
         and 'out' 160-520 on 150, the split swung between the planes and
         stages took up to 1.3x their plan. From the last empty look they read
-        315-385 and 150-170 (the tbf bucket refills between operations).
+        315-385 and 110-170 (the tbf bucket refills between operations).
 
         The estimator sees one chunk posted to an idle plane and fits rate and
         delay from such samples (its idle-only model).
