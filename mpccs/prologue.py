@@ -37,6 +37,7 @@ from typing import Iterable, Mapping, Optional
 import numpy as np
 
 from .arrays import copy_into, may_share_memory, same_start
+from .windows import missing_ranges
 
 EARLY_COPY_BYTES = 1 << 20  # one slice of copy_early: ~0.2 ms here, short next to a progress round's wait
 
@@ -69,20 +70,6 @@ def merged_ranges(ranges: Iterable[tuple[str, int, int]]) -> dict[str, list[tupl
     return by_buf
 
 
-def _minus(lo: int, hi: int, holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """[lo, hi) without the sorted disjoint ``holes``."""
-    left, start = [], lo
-    for a, b in holes:
-        if b <= start or a >= hi:
-            continue
-        if a > start:
-            left.append((start, a))
-        start = max(start, b)
-    if start < hi:
-        left.append((start, hi))
-    return left
-
-
 class DeferredCopies:
     """Pending ``dst_buf[lo:hi] = src_buf[src_lo:...]`` copies of one rank.
 
@@ -108,7 +95,7 @@ class DeferredCopies:
                 copy_into(dst, src)  # the source may change during the operation: copy now
         self._early = [] if written is None else [  # not into scratch: there most of it is for nobody (flush)
             (buf, a, b) for buf, entries in self._pending.items() if buf not in SCRATCH_BUFFERS
-            for lo, hi, _, _ in entries for a, b in _minus(lo, hi, written.get(buf, []))]
+            for lo, hi, _, _ in entries for a, b in missing_ranges(written.get(buf, []), lo, hi)]
 
     def __bool__(self) -> bool:
         return any(self._pending.values())
