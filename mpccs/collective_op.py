@@ -725,11 +725,14 @@ class CollectiveOp(Operation):
         (21-66 MB/s read on 150), the split gave it nothing, and no sample
         came to correct that for the rest of the run. Within a plane the
         flows fill in order, as before."""
+        lanes = []  # [plane name, plane, window, position in flows]
+        for name in (UP, OUT):
+            limit = self.window.get(name, 0)
+            if name in self.engine.planes and self.inflight[name] < limit:
+                lanes.append([name, self.engine.planes[name], limit, 0])
+        if not lanes:
+            return False  # every window full: most rounds of a transfer
         flows = [(run, outflow) for run in self.active for outflow in run.outs]
-        if not flows:
-            return False
-        lanes = [[name, self.engine.planes[name], self.window.get(name, 0), 0]
-                 for name in (UP, OUT) if name in self.engine.planes]
         moved = False
         while lanes:
             for lane in list(lanes):
