@@ -1242,3 +1242,30 @@ def test_unplanned_solo_stages_are_solo_records_of_now():
     ctrl.on_solo_stage("up", 2 * MiB, 1e-3)
     record, = st.solo["up"]
     assert (record.k, record.nbytes) == (7, 2 * MiB) and record.rate_Bps == pytest.approx(2 * MiB / 1e-3, rel=0.05)
+
+
+def test_a_probe_judged_against_one_record_after_a_regime_change_does_not_back_off():
+    # Under CPU stalls the solo records jumped 275 -> 171 -> 263 MB/s, each one
+    # clearing the queue (a new regime): a probe slower than the last record
+    # alone doubled the interval and kept 'out' off for the rest of the run.
+    # Harm needs SOLO_RECORDS_FOR_HARM comparable records; with them it backs off.
+    from mpccs.control.controller import SOLO_RECORDS_FOR_HARM, _RankState
+    cfg = ControlConfig()
+    ctrl = PathController(cfg, rank=0)
+    nbytes = 8 * MiB
+
+    def confirmed_slow_probe(rates):
+        st = _RankState(dropped={"out"}, probe_interval=cfg.probe_every, confirming=True)
+        for k, rate in enumerate(rates):
+            ctrl._record_solo(st, 0, "up", nbytes, nbytes / rate, 0.0, k=k)
+        t_solo = ctrl._solo_time(st, "up", nbytes)
+        ctrl._resolve_probe(st, 0, {"plane": "out", "measured": True}, nbytes, 1.2 * t_solo, k=len(rates))
+        return st
+
+    jumpy = confirmed_slow_probe([275e6, 171e6, 263e6])
+    assert ctrl._solo_records(jumpy, "up", nbytes) == 1 < SOLO_RECORDS_FOR_HARM
+    assert jumpy.dropped == {"out"} and jumpy.probe_interval == cfg.probe_every  # no back-off
+    assert jumpy.next_probe_k == 3 + cfg.probe_every
+    steady = confirmed_slow_probe([263e6, 258e6, 270e6])
+    assert ctrl._solo_records(steady, "up", nbytes) == 3
+    assert steady.dropped == {"out"} and steady.probe_interval == 2 * cfg.probe_every  # harm: backed off

@@ -174,6 +174,14 @@ JOINT_STAGES_TO_DROP = 3
 SOLO_OVER_DELIVERY_MAX = 1.2  # a solo record's rate: at most this times the plane's delivery rate (_record_solo)
 UNUSED_STAGES_BEFORE_DROP = 4  # see PathController._note_unused
 SHORT_BACKOFF_MAX = 32  # probe_spacing_s backs probes off to at most probe_every * this operations (one byte)
+# A probe slower than solo backs the next one off only when the solo time it
+# was judged against rests on this many comparable records: one record after a
+# regime change is no reference. Under CPU stalls the records of a 16 MiB
+# testbed all_gather jumped 275 -> 171 -> 263 MB/s (each clearing the queue);
+# a probe judged harmful against the last one doubled the interval to 32, the
+# peer that had re-added followed the drop, and the whole 64 MiB sweep after
+# the stall stayed on 'up' (0.99x up, 0.66x the sum).
+SOLO_RECORDS_FOR_HARM = 2
 FIRST_PROBE_AFTER = 4  # decisions (epochs) before the first probe of a plane that starts dropped: the median of 3 solo stages is the reference, not a cold first one
 
 
@@ -836,6 +844,12 @@ class PathController:
             return None
         return min(times) if best else statistics.median(times)
 
+    @staticmethod
+    def _solo_records(st: _RankState, plane: str, nbytes: int) -> int:
+        """Solo records of a size comparable to ``nbytes`` (as _solo_time takes them) since the plane's
+        last regime change (_record_solo clears the queue when a record departs from its median)."""
+        return sum(1 for r in st.solo[plane] if r.nbytes / 2 <= nbytes <= 2 * r.nbytes)
+
     def _best_solo(self, st, nbytes, planes=PLANES) -> Optional[tuple[str, float]]:
         times = {p: self._solo_time(st, p, nbytes) for p in planes}
         times = {p: t for p, t in times.items() if t is not None}
@@ -963,7 +977,8 @@ class PathController:
             # on 'up' while a fixed 0.8 ran 1.2-1.3x faster.
             self._repeat_probe(st, k)
             return
-        if t_solo is not None and duration > t_solo * (1 + cfg.harm_margin):
+        harmful = t_solo is not None and duration > t_solo * (1 + cfg.harm_margin)
+        if harmful and self._solo_records(st, keep, nbytes) >= SOLO_RECORDS_FOR_HARM:
             # Still harmful: probe less often.
             st.probe_interval = min(st.probe_interval * 2, self._backoff_cap(t_solo))
         elif not st.confirming:
