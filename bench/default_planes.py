@@ -69,12 +69,14 @@ def report(out: str) -> str:
         "",
         "algbw in GB/s (median of iterations; per-iteration time = slowest rank). Ratios: median with bootstrap 95% "
         "interval; `adaptive / best` is paired (interleaved iterations), peers unpaired. Noise floor = A/A (`up` "
-        "vs `up#2`).",
+        "vs `up#2`). CPU stolen: the share of the host's CPU time the hypervisor gave to other guests while the "
+        "point ran (/proc/stat; the peers' points are not covered).",
         "",
         settle_text(perf["meta"].get("settle")),
         "",
-        "| size | up | out | 0.8 | adaptive | MPI | gloo | adaptive / best single | A/A floor | adaptive / MPI | adaptive / gloo | up share |",
-        "|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---|---:|",
+        "| size | up | out | 0.8 | adaptive | MPI | gloo | adaptive / best single | A/A floor | adaptive / MPI | "
+        "adaptive / gloo | up share | CPU stolen |",
+        "|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---|---:|---:|",
     ]
     verdicts = []
     for s in sizes:
@@ -88,11 +90,15 @@ def report(out: str) -> str:
         vs_gloo = _ratio(ad, get("gloo"))
         share = "-" if ad.get("up_share") is None else f"{100 * ad['up_share']:.0f}%"
         lines.append(f"| {_size(s)} | " + " | ".join(cells) + f" | {_fmt(vs_best)} | {floor:.3f} | {_fmt(vs_mpi)} | "
-                     f"{_fmt(vs_gloo)} | {share} |")
+                     f"{_fmt(vs_gloo)} | {share} | {_stolen(ad.get('steal'))} |")
         verdicts.append((s, vs_best, floor, vs_mpi, vs_gloo, ad))
     lines += ["", "## Targets (benchmarks issue)", ""]
     lines += targets(verdicts, rows)
     return "\n".join(lines) + "\n"
+
+
+def _stolen(x) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
 
 
 def settle_text(settled) -> str:

@@ -51,9 +51,13 @@ def verdicts(data: dict) -> list[dict]:
         vs_sum = ratio_ci(t_ad, sums, paired=True)
         out.append({"collective": data["rows"][0]["collective"], "size": size, "busbw": {p: rows[(p, size)]["busbw"]
                     for p in ("up", "out", "adaptive")}, "share_up": ad["up_share"], "floor": floor,
-                    "vs_up": vs_up, "vs_sum": vs_sum,
+                    "vs_up": vs_up, "vs_sum": vs_sum, "steal": ad.get("steal"),
                     "holds_up": holds(vs_up, 1.35, floor), "holds_sum": holds(vs_sum, 0.90, floor)})
     return out
+
+
+def _percent(x) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
 
 
 def render(results: list[dict], meta: dict) -> str:
@@ -61,18 +65,21 @@ def render(results: list[dict], meta: dict) -> str:
         "# Testbed targets: 2 ranks, up and out both shaped tcp at 2:1",
         "",
         f"Rates: up {meta['up_rate']}, out {meta['out_rate']} (per direction, both ends shaped); "
-        f"{meta['iters']} iterations per point, interleaved; measured {meta['time']}.",
+        f"{meta['iters']} iterations per point, interleaved; measured {meta['time']}. CPU stolen: the share of "
+        "the host's CPU time the hypervisor gave to other guests during the point (/proc/stat): the runs here "
+        "came in slow spells where it rose, and every column with it.",
         "",
         "| collective | size | busbw up | busbw out | busbw adaptive | up share | adaptive / (up+out) | "
-        "adaptive / up | A/A floor | >= 0.90x sum | >= 1.35x up |",
-        "|---|---:|---:|---:|---:|---:|---|---|---:|---|---|",
+        "adaptive / up | A/A floor | CPU stolen | >= 0.90x sum | >= 1.35x up |",
+        "|---|---:|---:|---:|---:|---:|---|---|---:|---:|---|---|",
     ]
     for r in results:
         f = lambda x: f"{x[0]:.2f} [{x[1]:.2f}, {x[2]:.2f}]"  # noqa: E731
         lines.append(
             f"| {r['collective']} | {r['size'] >> 20} MiB | {r['busbw']['up']:.3f} | {r['busbw']['out']:.3f} | "
             f"{r['busbw']['adaptive']:.3f} | {100 * (r['share_up'] or 0):.0f}% | {f(r['vs_sum'])} | {f(r['vs_up'])} | "
-            f"{r['floor']:.3f} | {'holds' if r['holds_sum'] else 'NOT MET'} | {'holds' if r['holds_up'] else 'NOT MET'} |")
+            f"{r['floor']:.3f} | {_percent(r.get('steal'))} | {'holds' if r['holds_sum'] else 'NOT MET'} | "
+            f"{'holds' if r['holds_up'] else 'NOT MET'} |")
     return "\n".join(lines) + "\n"
 
 

@@ -229,6 +229,31 @@ def measure(comm, case: Case, policies, iters: int, warmup: int):
     return {p: slowest(comm, times[p]) for p in policies}, shares, last
 
 
+def cpu_ticks() -> tuple[int, int] | None:
+    """(stolen, all) CPU ticks of this host so far (/proc/stat), None where it cannot be read.
+
+    Stolen time is time the hypervisor ran another guest while this one wanted the CPU:
+    on the shared VMs here it came in spells that halved every column of a report, so each
+    point records the share of its time that was stolen (``steal`` in the JSON rows)."""
+    try:
+        with open("/proc/stat") as fh:
+            fields = fh.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 9:
+        return None
+    ticks = [int(x) for x in fields[1:]]
+    # user nice system idle iowait irq softirq steal [guest guest_nice: already in user/nice]
+    return ticks[7], sum(ticks[:8])
+
+
+def stolen_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of the host's CPU time stolen between two cpu_ticks() readings."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
 def settle(comm, make_case, size_list, ops: int):
     """Run the controller's start-up before the sweep: at the first swept size
     where its clock advances (one operation there finds it: a size it may
@@ -348,13 +373,16 @@ def main(argv=None) -> int:
             print(settle_line(settled, ns.settle), flush=True)
     for index, nbytes in enumerate(size_list):
         case = make_case(nbytes)
+        ticks = cpu_ticks()
         times, shares, last = measure(comm, case, policies, ns.iters, ns.warmup_iters)
+        steal = stolen_share(ticks, cpu_ticks())
         wrong = case.wrong() if ns.check else 0
         wrong_total = np.array([wrong], dtype=np.int64)
         if comm.size > 1:
             comm.all_reduce(wrong_total)
         for p in policies:
             row = make_row(comm, case, ns, p, times[p], shares[p], last.get(p, {}), int(wrong_total[0]))
+            row["steal"] = steal  # rank 0's host, the same for every policy of the size
             rows.append(row)
         if comm.rank == 0:
             print_rows(rows[-len(policies):], policies, rows, ns.compare)

@@ -135,3 +135,23 @@ def test_cma_ab_reports_the_reads_over_the_messages():
     text = "\n".join(ab.report_lines("reduce_scatter", [row], meta))
     assert "float32 reduce_scatter" in text
     assert table_rows(text)["4 MiB"] == ["500", "400", "1.25 [1.25, 1.25]", "0.00", "two_step / direct_shm"]
+
+
+def test_testbed_targets_report_gives_ratios_to_the_sum_and_up_and_the_stolen_cpu():
+    # testbed_targets imports mpccs.testbed (namespaces), which loads without root
+    targets = load("testbed_targets")
+    mib = 1 << 20
+
+    def row(policy, times, steal=0.12):
+        return {"collective": "all_gather", "size": 16 * mib, "policy": policy, "times_us": times,
+                "busbw": 1.0, "up_share": 0.67 if policy == "adaptive" else None, "steal": steal}
+
+    # adaptive at 2/3 of up's time: 1.5x up, and 1 / (1/30 + 1/60) = 20 = its time: 1.0x the sum
+    data = {"rows": [row("up", [30.0] * 10), row("up#2", [30.0] * 10), row("out", [60.0] * 10),
+                     row("adaptive", [20.0] * 10)]}
+    (verdict,) = targets.verdicts(data)
+    assert verdict["vs_up"][0] == pytest.approx(1.5) and verdict["vs_sum"][0] == pytest.approx(1.0)
+    assert verdict["holds_up"] and verdict["holds_sum"] and verdict["steal"] == 0.12
+    text = targets.render([verdict], {"up_rate": "2.4gbit", "out_rate": "1.2gbit", "iters": 10, "time": "now"})
+    cells = table_rows(text.replace("| all_gather | ", "| "))["16 MiB"]
+    assert cells[4:] == ["1.00 [1.00, 1.00]", "1.50 [1.50, 1.50]", "0.000", "12%", "holds", "holds"]

@@ -35,8 +35,9 @@ def test_table_json_and_no_wrong_elements(tmp_path, collective):
     assert {"mpccs", "ucx", "ucxx", "numpy", "kernel", "planes", "nranks"} <= set(data["meta"])
     for row in data["rows"]:
         assert {"collective", "size", "count", "type", "redop", "root", "policy", "time_us", "algbw", "busbw",
-                "wrong", "up_share", "algorithm", "channels", "times_us"} <= set(row)
+                "wrong", "up_share", "algorithm", "channels", "times_us", "steal"} <= set(row)
         assert row["collective"] == collective and row["wrong"] == 0 and len(row["times_us"]) == 3
+        assert row["steal"] is None or 0.0 <= row["steal"] <= 1.0  # None: no /proc/stat
         assert row["channels"] in (None, 1)  # one domain: no channels (None: the direct path keeps no schedule)
 
 
@@ -64,6 +65,17 @@ def test_settle_runs_the_controllers_start_up_before_the_sweep(tmp_path, max_siz
     rows = json.loads(out.read_text())["rows"]  # the sweep itself is unchanged: every size, both policies
     assert sorted((r["size"], r["policy"]) for r in rows) == [(64 << 10, "adaptive"), (64 << 10, "up"),
                                                                (2 << 20, "adaptive"), (2 << 20, "up")]
+
+
+def test_stolen_share_is_the_steal_ticks_over_all_ticks_between_readings(tmp_path):
+    from mpccs.perf import cpu_ticks, stolen_share
+
+    assert stolen_share((10, 1000), (40, 1200)) == pytest.approx(30 / 200)
+    assert stolen_share(None, (40, 1200)) is None and stolen_share((10, 1000), (10, 1000)) is None
+    ticks = cpu_ticks()
+    if os.path.exists("/proc/stat"):  # Linux: steal is the 8th field of the cpu line; counters only grow
+        fields = [int(x) for x in open("/proc/stat").readline().split()[1:9]]
+        assert ticks is not None and 0 <= ticks[0] <= fields[7] and ticks[0] <= ticks[1] <= sum(fields)
 
 
 def test_check_counts_wrong_elements_against_a_reference():
