@@ -155,3 +155,10 @@ def test_testbed_targets_report_gives_ratios_to_the_sum_and_up_and_the_stolen_cp
     text = targets.render([verdict], {"up_rate": "2.4gbit", "out_rate": "1.2gbit", "iters": 10, "time": "now"})
     cells = table_rows(text.replace("| all_gather | ", "| "))["16 MiB"]
     assert cells[4:] == ["1.00 [1.00, 1.00]", "1.50 [1.50, 1.50]", "0.000", "12%", "holds", "holds"]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="steal is read from Linux's /proc/stat")
+def test_host_steal_reads_a_share_while_every_core_spins():
+    host = load("host_steal")
+    share = host.stolen_while_busy(0.3)
+    assert share is not None and 0.0 <= share <= 1.0
