@@ -1255,7 +1255,7 @@ def test_a_probe_judged_against_one_record_after_a_regime_change_does_not_back_o
     nbytes = 8 * MiB
 
     def confirmed_slow_probe(rates):
-        st = _RankState(dropped={"out"}, probe_interval=cfg.probe_every, confirming=True)
+        st = _RankState(dropped={"out"}, probe_interval=cfg.probe_every, confirming=True, last_probe_epoch=7)
         for k, rate in enumerate(rates):
             ctrl._record_solo(st, 0, "up", nbytes, nbytes / rate, 0.0, k=k)
         t_solo = ctrl._solo_time(st, "up", nbytes)
@@ -1266,6 +1266,35 @@ def test_a_probe_judged_against_one_record_after_a_regime_change_does_not_back_o
     assert ctrl._solo_records(jumpy, "up", nbytes) == 1 < SOLO_RECORDS_FOR_HARM
     assert jumpy.dropped == {"out"} and jumpy.probe_interval == cfg.probe_every  # no back-off
     assert jumpy.next_probe_k == 3 + cfg.probe_every
+    assert jumpy.harmless_probe_epoch == 7  # a peer's re-add from this probe would be followed
     steady = confirmed_slow_probe([263e6, 258e6, 270e6])
     assert ctrl._solo_records(steady, "up", nbytes) == 3
     assert steady.dropped == {"out"} and steady.probe_interval == 2 * cfg.probe_every  # harm: backed off
+    assert steady.harmless_probe_epoch is None  # and a peer's re-add is not followed
+
+
+def test_a_peers_readd_brings_the_plane_back_where_this_ranks_probe_showed_no_harm():
+    # Both ranks probe at one grid epoch and each judges its own stage: under
+    # jitter one saw the gain and re-added, the other (neutral) stayed dropped,
+    # and "any rank's drop is everyone's" undid the re-add two operations
+    # later. A peer's re-add now brings the plane back where this rank's own
+    # probe at that grid point showed no harm; harm, or an older probe, keeps it.
+    from mpccs.control.controller import _RankState
+
+    def outcome(harmless_epoch, epoch=5):
+        peer, me = PathController(ControlConfig(), rank=0), PathController(ControlConfig(), rank=1)
+        for c in (peer, me):
+            c._states[c.rank] = _RankState(dropped={"out"}, probe_interval=16)
+        me._epoch = epoch
+        me._states[1].harmless_probe_epoch = harmless_epoch
+        me.merge_estimates(0, peer.export_estimates(0.0, epoch))
+        assert me._states[1].dropped == {"out"}  # the peer still has it dropped: nothing to follow
+        peer._states[0].dropped.clear()  # its probe showed the gain
+        me.merge_estimates(0, peer.export_estimates(0.001, epoch + 1))
+        return me._states[1].dropped, [e for e in me.take_events() if e["event"] == "readd"]
+
+    dropped, events = outcome(harmless_epoch=4)  # the same probe (4) or its repeat (5): no harm here
+    assert dropped == set() and events == [{"decision": 0, "rank": 1, "event": "readd", "plane": "out",
+                                            "peer_readd": 0, "epoch": 5}]
+    assert outcome(harmless_epoch=None) == ({"out"}, [])  # this rank's last probe showed harm
+    assert outcome(harmless_epoch=1, epoch=16) == ({"out"}, [])  # an older probe says nothing of this one

@@ -212,6 +212,7 @@ class _RankState:
     confirm_epoch: Optional[int] = None  # an inconclusive probe is repeated once, in the next operation
     confirming: bool = False  # the probe in flight is that repeat
     readd_epoch: Optional[int] = None  # epoch of the probe that last brought a plane back
+    harmless_probe_epoch: Optional[int] = None  # epoch of this rank's last probe that showed no harm
     unused_stages: int = 0  # consecutive multipath stages that gave a usable plane nothing
     checks: int = 0
     drops: int = 0
@@ -959,15 +960,15 @@ class PathController:
         # No solo record (cleared by a regime change) is no evidence: the
         # stages the dropped plane leaves solo refill it before the next probe.
         if t_best is not None and duration < t_best * (1 - cfg.readd_margin):
-            st.dropped.clear()
-            st.joint.clear()
-            st.probe_interval = 0
-            st.next_probe_k = math.inf
-            st.readds += 1
-            st.readd_epoch = st.last_probe_epoch
-            self._note_event({"decision": k, "rank": src, "event": "readd", "plane": info["plane"],
-                              "probe_s": duration, "solo_s": t_solo, "best_solo_s": t_best})
+            self._readd(st, st.last_probe_epoch, {"decision": k, "rank": src, "event": "readd", "plane": info["plane"],
+                                                  "probe_s": duration, "solo_s": t_solo, "best_solo_s": t_best})
             return
+        # A first probe planned from the prior measured the plane: not judged (below).
+        judged = info["measured"] or st.confirming
+        harmful = t_solo is not None and duration > t_solo * (1 + cfg.harm_margin)
+        harm = judged and harmful and self._solo_records(st, keep, nbytes) >= SOLO_RECORDS_FOR_HARM
+        # no harm here: a peer's re-add from the same probe may bring the plane back (_follow_peer_readd)
+        st.harmless_probe_epoch = None if harm else st.last_probe_epoch
         if not info["measured"] and not st.confirming:
             # Planned from a prior, the probe measured the plane rather than
             # tested a split at its rate: the repeat, planned from what it
@@ -977,8 +978,7 @@ class PathController:
             # on 'up' while a fixed 0.8 ran 1.2-1.3x faster.
             self._repeat_probe(st, k)
             return
-        harmful = t_solo is not None and duration > t_solo * (1 + cfg.harm_margin)
-        if harmful and self._solo_records(st, keep, nbytes) >= SOLO_RECORDS_FOR_HARM:
+        if harm:
             # Still harmful: probe less often.
             st.probe_interval = min(st.probe_interval * 2, self._backoff_cap(t_solo))
         elif not st.confirming:
@@ -992,6 +992,16 @@ class PathController:
             self._repeat_probe(st, k)
             return
         st.next_probe_k = k + st.probe_interval
+
+    def _readd(self, st: _RankState, epoch: Optional[int], event: dict) -> None:
+        """Bring the dropped plane back (a probe's gain here, or a peer's: _follow_peer_readd)."""
+        st.dropped.clear()
+        st.joint.clear()
+        st.probe_interval = 0
+        st.next_probe_k = math.inf
+        st.readds += 1
+        st.readd_epoch = epoch
+        self._note_event(event)
 
     @staticmethod
     def _repeat_probe(st: _RankState, k: int) -> None:
@@ -1226,13 +1236,39 @@ class PathController:
             raise ValueError(f"estimate blob from rank {rank}: {exc}") from None
         self.estimator.set_remote(rank, entries)
         dropped = {p for i, p in enumerate(PLANES) if flags & (1 << i)}
+        before = self._remote_dropped.get(rank)
         self._remote_dropped[rank] = dropped
         grid = self.config.probe_every * max(1, grid_byte)
         if self._remote_grid.get(rank) != grid:
             self._remote_grid[rank] = grid
             self._remote_grid_gcd = math.gcd(*self._remote_grid.values())
         self._merged[rank] = bytes(blob)
+        if before is not None:
+            self._follow_peer_readd(rank, before - dropped)
         self._follow_peer_drop(rank, dropped)
+
+    def _follow_peer_readd(self, rank: int, readded: set) -> None:
+        """A plane a peer's probe just brought back comes back here too, when this
+        rank's own probe of it at the same grid point (or its repeat) showed no harm.
+
+        Ranks probe together and each judges its own stage, one stage each: on
+        the testbed's 16 MiB all_reduce (1 Gbit/s / 500 Mbit/s) stages of one
+        split ran 44-97 ms, and a rank saw the gain in one probe of two. With
+        "any rank's drop is everyone's", a plane came back only when both
+        ranks saw it in the same probe: one re-added, its peer (neutral)
+        stayed dropped, the re-add was undone two operations later, and
+        'out' stayed off for 16-32 operations at a time (matrix failure
+        series: 37 operations before both split). A gain on one rank and no
+        harm on the other now bring it back on both; the joint stages that
+        follow are judged as any others (_judge_joint), so a plane that does
+        not pay is dropped again on their evidence. Harm on any rank still wins."""
+        st = self._states.get(self.rank)
+        if st is None or rank == self.rank or not self.config.multipath or not (readded & st.dropped):
+            return
+        if st.harmless_probe_epoch is None or self._epoch is None or self._epoch > st.harmless_probe_epoch + 2:
+            return  # this rank's own last probe is older than the peer's (or showed harm)
+        self._readd(st, self._epoch, {"decision": self._k, "rank": self.rank, "event": "readd",
+                                      "plane": sorted(readded & st.dropped)[0], "peer_readd": rank})
 
     def _follow_peer_drop(self, rank: int, dropped: set) -> None:
         """A plane another rank dropped is dropped here too.
