@@ -254,6 +254,17 @@ def stolen_share(before: tuple[int, int] | None, after: tuple[int, int] | None) 
     return (after[0] - before[0]) / (after[1] - before[1])
 
 
+STEAL_WARN = 0.05  # a point with more of the host's CPU stolen than this measured the host (docs/benchmarks.md)
+
+
+def steal_note(steal: float | None) -> str | None:
+    """The line printed under a size whose CPU time was largely stolen by the hypervisor, else None."""
+    if steal is None or steal <= STEAL_WARN:
+        return None
+    return (f"# warning: {100 * steal:.0f}% of this host's CPU time was stolen by the hypervisor during this size; "
+            "its numbers measure the host as much as the library")
+
+
 def settle(comm, make_case, size_list, ops: int):
     """Run the controller's start-up before the sweep: at the first swept size
     where its clock advances (one operation there finds it: a size it may
@@ -386,6 +397,9 @@ def main(argv=None) -> int:
             rows.append(row)
         if comm.rank == 0:
             print_rows(rows[-len(policies):], policies, rows, ns.compare)
+            note = steal_note(steal)
+            if note:
+                print(note, flush=True)
             if not ns.quiet and len(size_list) > 4:
                 print(f"# progress: {index + 1}/{len(size_list)} sizes", file=sys.stderr, flush=True)
     if comm.rank == 0:

@@ -78,6 +78,14 @@ def test_stolen_share_is_the_steal_ticks_over_all_ticks_between_readings(tmp_pat
         assert ticks is not None and 0 <= ticks[0] <= fields[7] and ticks[0] <= ticks[1] <= sum(fields)
 
 
+def test_a_size_with_much_cpu_stolen_gets_a_warning_line():
+    from mpccs.perf import STEAL_WARN, steal_note
+
+    assert steal_note(None) is None and steal_note(STEAL_WARN) is None
+    note = steal_note(0.31)
+    assert note.startswith("# warning: 31% of this host's CPU time was stolen")  # a comment: tables still parse
+
+
 def test_check_counts_wrong_elements_against_a_reference():
     from mpccs.perf import Case
 
