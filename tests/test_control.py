@@ -1298,3 +1298,21 @@ def test_a_peers_readd_brings_the_plane_back_where_this_ranks_probe_showed_no_ha
                                             "peer_readd": 0, "epoch": 5}]
     assert outcome(harmless_epoch=None) == ({"out"}, [])  # this rank's last probe showed harm
     assert outcome(harmless_epoch=1, epoch=16) == ({"out"}, [])  # an older probe says nothing of this one
+
+
+def test_joint_stages_of_another_size_do_not_join_a_harm_verdict():
+    # Two 16 MiB joint stages and two 64 MiB ones made one verdict at a sweep's size step;
+    # the joint record restarts when the stage size moves beyond 2x.
+    from mpccs.control.controller import JOINT_STAGES_TO_DROP, _RankState
+    ctrl = PathController(ControlConfig(), rank=0)
+    st = _RankState()
+    small, large = 8 * MiB, 32 * MiB
+    for k in range(3):
+        ctrl._record_solo(st, 0, "up", small, 0.030, 0.0, k=k)
+    info = {"settled": True, "measured": True, "pred_s": 0.040, "solo_planes": ("up", "out"), "best_single": "up"}
+    for k in (3, 4):  # slower than solo: harm evidence at 8 MiB, not yet enough to drop
+        ctrl._judge_joint(st, 0, info, small, 0.040, k)
+    assert [n for n, _ in st.joint] == [small, small] and not st.dropped
+    ctrl._judge_joint(st, 0, {**info, "pred_s": 0.130}, large, 0.130, 5)
+    assert [n for n, _ in st.joint] == [large]  # the 8 MiB stages do not count toward a 32 MiB verdict
+    assert not st.dropped and len(st.joint) < JOINT_STAGES_TO_DROP

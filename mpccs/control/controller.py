@@ -893,6 +893,13 @@ class PathController:
             # measured while the other paused). Judge by realised times instead.
         else:
             st.mispredicted = 0
+        if st.joint and not st.joint[-1][0] / 2 <= nbytes <= 2 * st.joint[-1][0]:
+            # A verdict at one size says nothing of another (solo records count within 2x
+            # alike, _solo_time). Kept across a testbed sweep's 16 -> 64 MiB step, two 16 MiB
+            # joint stages judged against records 13 operations old joined two 64 MiB ones
+            # (one a 153 ms jitter spike against a 111 ms norm) and dropped 'out' for the rest
+            # of the 64 MiB point (1.0x up; target 1's all_reduce).
+            st.joint.clear()
         st.joint.append((nbytes, duration))
         solo_planes = info["solo_planes"]
         best = self._best_solo(st, nbytes, solo_planes)
