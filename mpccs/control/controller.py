@@ -840,7 +840,7 @@ class PathController:
         rebuilt with the latency it was recorded with: rebuilt with today's,
         a latency estimate that rose 3.4 -> 19 us (pcie-p2p) made a probe as
         fast as 'up' alone read 17% faster, and 'out' came back."""
-        times = [r.latency_s + nbytes / r.rate_Bps for r in st.solo[plane] if r.nbytes / 2 <= nbytes <= 2 * r.nbytes]
+        times = [r.latency_s + nbytes / r.rate_Bps for r in st.solo[plane] if _comparable(r.nbytes, nbytes)]
         if not times:
             return None
         return min(times) if best else statistics.median(times)
@@ -849,7 +849,7 @@ class PathController:
     def _solo_records(st: _RankState, plane: str, nbytes: int) -> int:
         """Solo records of a size comparable to ``nbytes`` (as _solo_time takes them) since the plane's
         last regime change (_record_solo clears the queue when a record departs from its median)."""
-        return sum(1 for r in st.solo[plane] if r.nbytes / 2 <= nbytes <= 2 * r.nbytes)
+        return sum(1 for r in st.solo[plane] if _comparable(r.nbytes, nbytes))
 
     def _best_solo(self, st, nbytes, planes=PLANES) -> Optional[tuple[str, float]]:
         times = {p: self._solo_time(st, p, nbytes) for p in planes}
@@ -893,7 +893,7 @@ class PathController:
             # measured while the other paused). Judge by realised times instead.
         else:
             st.mispredicted = 0
-        if st.joint and not st.joint[-1][0] / 2 <= nbytes <= 2 * st.joint[-1][0]:
+        if st.joint and not _comparable(st.joint[-1][0], nbytes):
             # A verdict at one size says nothing of another (solo records count within 2x
             # alike, _solo_time). Kept across a testbed sweep's 16 -> 64 MiB step, two 16 MiB
             # joint stages judged against records 13 operations old joined two 64 MiB ones
@@ -1334,6 +1334,11 @@ def _may_probe_at(epoch: int, grid: int) -> bool:
 def _probe_grid(st: _RankState, probe_every: int) -> int:
     """See PathController.probe_grid."""
     return st.probe_interval if st.probes and st.probe_interval else probe_every
+
+
+def _comparable(recorded: int, nbytes: int) -> bool:
+    """A stage of ``recorded`` bytes speaks for one of ``nbytes``: within 2x (see _solo_time)."""
+    return recorded / 2 <= nbytes <= 2 * recorded
 
 
 def _median_rate(q) -> float:
