@@ -1144,18 +1144,20 @@ def test_a_probe_planned_from_the_prior_is_repeated_on_what_it_measured_not_back
     # both ranks (each waits for the other). Judged as harm, that backed both
     # ranks off and 'out' never came back in the cell; repeated on the rates the
     # probe measured, both ranks find the gain and re-add it.
-    from mpccs.control.controller import FIRST_PROBE_AFTER
+    from mpccs.control.controller import FIRST_PROBE_AFTER, READD_CHECK_AFTER
     up, out = SyntheticLink(125e6, 100e-6), SyntheticLink(62.5e6, 100e-6)
     planes = SyntheticPlanes.uniform([0, 1], up, out, seed=5, links={(1, "out", 0): SyntheticLink(31e6, 100e-6)})
     flows = ring_flows(2, 8 * MiB)
     cfg = ControlConfig(start_on_one_plane=True)
     ctls = [PathController(cfg, rank=r) for r in range(2)]
-    now, times, probes, events = 0.0, {}, [], []
+    now, times, probes, events, checks = 0.0, {}, [], [], []
     for epoch in range(1, 3 * cfg.probe_every):
         for _ in range(2):  # reduce-scatter, all-gather
             d0, d1, res = two_rank_stage(ctls, planes, flows, now, epoch=epoch, stage_ends_together=True)
             now = res.t_end + 1e-4
             times.setdefault(epoch, []).append(res.duration)
+            if "check" in (mode(d0, 0), mode(d1, 1)):
+                checks.append((epoch, mode(d0, 0), mode(d1, 1)))
             if mode(d0, 0) == "probe":
                 probes.append((epoch, d0.reason["ranks"]["0"]["measured"], out_share(d1, flows[1:])))
         events += [e["event"] for c in ctls for e in c.take_events()]
@@ -1166,7 +1168,11 @@ def test_a_probe_planned_from_the_prior_is_repeated_on_what_it_measured_not_back
     assert len(probes) == 2 and events == ["readd", "readd"]
     solo = statistics.median(sum(times[e]) for e in range(1, FIRST_PROBE_AFTER))
     assert sum(times[FIRST_PROBE_AFTER]) > 1.1 * solo  # the first probe did hurt
-    later = [sum(times[e]) for e in range(FIRST_PROBE_AFTER + 2, 3 * cfg.probe_every)]
+    # Both ranks check the re-add on 'up' alone in one stage (every rank that re-added from the
+    # probe at grid point 4, the repeat's included), and the split survives the check.
+    check_epoch = FIRST_PROBE_AFTER + READD_CHECK_AFTER
+    assert checks == [(check_epoch, "check", "check")]
+    later = [sum(times[e]) for e in range(FIRST_PROBE_AFTER + 2, 3 * cfg.probe_every) if e != check_epoch]
     assert max(later) < 0.9 * solo  # and both planes stay in use, ~0.8x of 'up' alone
     for c in ctls:
         assert not c.snapshot()["ranks"][str(c.rank)]["dropped"]
@@ -1316,3 +1322,60 @@ def test_joint_stages_of_another_size_do_not_join_a_harm_verdict():
     ctrl._judge_joint(st, 0, {**info, "pred_s": 0.130}, large, 0.130, 5)
     assert [n for n, _ in st.joint] == [large]  # the 8 MiB stages do not count toward a 32 MiB verdict
     assert not st.dropped and len(st.joint) < JOINT_STAGES_TO_DROP
+
+
+def test_a_readd_is_checked_against_a_fresh_solo_stage_and_dropped_when_the_split_does_not_pay():
+    # Shared-bottleneck testbed under a CPU hog: the first solo stages of a 16 MiB
+    # all_reduce took 165-185 ms while the link warmed up, the probe 139 ms re-added
+    # 'out', and 'up' alone took 135-140 ms later on: the joint stages (129-146 ms)
+    # read 0.78x of the stale records and the split stayed. READD_CHECK_AFTER
+    # operations after the probe's grid point, every rank that re-added runs one
+    # stage on the kept plane alone, and the split is judged against it.
+    from mpccs.control.controller import FIRST_PROBE_AFTER, READD_CHECK_AFTER, _RankState
+    nbytes = 16 * MiB
+    flows = one_flow(nbytes)
+    info = {"settled": True, "measured": True, "pred_s": 0.136, "solo_planes": ("up", "out"), "best_single": "up"}
+
+    def readded(grid=FIRST_PROBE_AFTER):
+        ctrl = PathController(ControlConfig(), rank=0)
+        st = ctrl._states[0] = _RankState(dropped={"out"})
+        for k, t in enumerate((0.185, 0.165), start=2):
+            ctrl._record_solo(st, 0, "up", nbytes, t, 0.0, k=k)
+        assert ctrl._mode(0, grid, flows, ("up", "out"), epoch=grid).kind == "probe"
+        ctrl._resolve_probe(st, 0, {"plane": "out", "measured": True}, nbytes, 0.139, k=grid)
+        assert not st.dropped and st.readd_check_epoch == grid + READD_CHECK_AFTER
+        for k in range(grid + 1, grid + READD_CHECK_AFTER):
+            assert ctrl._mode(0, k, flows, ("up", "out"), epoch=k).kind == "multipath"
+            ctrl._judge_joint(st, 0, info, nbytes, 0.135, k)
+        assert not st.dropped  # 0.135 / 0.175: a gain against the records the probe was judged by
+        check = ctrl._mode(0, grid + READD_CHECK_AFTER, flows, ("up", "out"), epoch=grid + READD_CHECK_AFTER)
+        assert (check.kind, check.plane, st.checking_readd) == ("check", "up", True)
+        return ctrl, st
+
+    ctrl, st = readded()
+    ctrl._check_readd(st, 0, "up", nbytes, 0.142, k=8)  # the check stage: the split beat it by < readd_margin
+    assert st.dropped == {"out"}
+    drop, = [e for e in ctrl.take_events() if e["event"] == "drop"]
+    assert drop["split_over_check"] == pytest.approx(0.135 / 0.142) and drop["keep"] == "up"
+
+    ctrl, st = readded(grid=16)
+    ctrl._check_readd(st, 0, "up", nbytes, 0.150, k=20)  # 'up' alone is 10% slower: the split pays
+    assert not st.dropped and st.readd_check_epoch is None
+    assert ctrl._mode(0, 21, flows, ("up", "out"), epoch=21).kind == "multipath"  # one check per re-add
+
+
+def test_a_rank_that_followed_a_peers_readd_checks_it_in_the_same_operation():
+    # The re-adder's probe may be the grid point's repeat, and the follower hears of
+    # it an operation or two late: both check READD_CHECK_AFTER after the grid point.
+    from mpccs.control.controller import READD_CHECK_AFTER, _RankState
+    nbytes = 16 * MiB
+    flows = one_flow(nbytes)
+    ctrl = PathController(ControlConfig(), rank=1)
+    st = ctrl._states[1] = _RankState(dropped={"out"}, confirm_epoch=17, probe_interval=16)
+    assert ctrl._mode(1, 17, flows, ("up", "out"), epoch=17).kind == "probe"  # the repeat of grid point 16
+    assert st.probe_grid_epoch == 16
+    st.harmless_probe_epoch, st.last_probe_stage = 17, (nbytes, 0.140)
+    ctrl._epoch = 18
+    ctrl._follow_peer_readd(0, {"out"})
+    assert not st.dropped and st.readd_check_epoch == 16 + READD_CHECK_AFTER
+    assert st.readd_stages == [(nbytes, 0.140)]

@@ -182,6 +182,16 @@ SHORT_BACKOFF_MAX = 32  # probe_spacing_s backs probes off to at most probe_ever
 # peer that had re-added followed the drop, and the whole 64 MiB sweep after
 # the stall stayed on 'up' (0.99x up, 0.66x the sum).
 SOLO_RECORDS_FOR_HARM = 2
+# A re-add is checked against a fresh solo stage READD_CHECK_AFTER operations
+# after the grid point of the probe that brought it (every rank that re-added
+# from that probe checks in the same operation: a check stage is a solo record
+# only when the peers send on one plane too). The probe was judged against the
+# records of the operations before it, and on a link that was warming up those
+# were slow: on the shared-bottleneck testbed under a CPU hog the first solo
+# stages took 165-185 ms, the probe 139, and 'up' alone 135-140 ms later on; the
+# joint stages after the re-add (129-146 ms) read 0.78x of the stale records, so
+# the plane that did not pay stayed in use (5 of 12 runs).
+READD_CHECK_AFTER = 4
 FIRST_PROBE_AFTER = 4  # decisions (epochs) before the first probe of a plane that starts dropped: the median of 3 solo stages is the reference, not a cold first one
 
 
@@ -213,6 +223,12 @@ class _RankState:
     confirming: bool = False  # the probe in flight is that repeat
     readd_epoch: Optional[int] = None  # epoch of the probe that last brought a plane back
     harmless_probe_epoch: Optional[int] = None  # epoch of this rank's last probe that showed no harm
+    probe_grid_epoch: Optional[int] = None  # the grid point of the last probe (its epoch, or the one before for a repeat)
+    last_probe_stage: Optional[tuple] = None  # (bytes, s) of the last probe's stage
+    readd_check_epoch: Optional[int] = None  # a re-add is checked by a solo stage in this operation (READD_CHECK_AFTER)
+    readd_stages: list = field(default_factory=list)  # (bytes, s): the re-adding probe's stage, judged with the joint ones
+    readd_keep: Optional[str] = None  # the plane kept while the re-added one was dropped: the check runs on it
+    checking_readd: bool = False  # the check stage in flight is a re-add's
     unused_stages: int = 0  # consecutive multipath stages that gave a usable plane nothing
     checks: int = 0
     drops: int = 0
@@ -420,6 +436,10 @@ class PathController:
         dropped = frozenset(st.dropped)
         if not _judgeable(flows, cfg.min_multipath_bytes):
             return _Mode("multipath", dropped=dropped)
+        if self._readd_check_due(st, epoch):
+            st.readd_check_epoch = None
+            st.checking_readd = True
+            st.pending_check = st.readd_keep or solo_planes[0]
         if st.pending_check is not None:
             plane, st.pending_check = st.pending_check, None
             if plane not in solo_planes:
@@ -430,12 +450,20 @@ class PathController:
         if st.dropped and self._probe_due(st, k, epoch):
             plane = sorted(st.dropped)[0]  # one plane at a time
             st.confirming = st.confirm_epoch is not None and epoch == st.confirm_epoch
+            st.probe_grid_epoch = epoch - 1 if st.confirming and epoch is not None else epoch
             st.confirm_epoch = None
             st.next_probe_k = k + max(1, st.probe_interval)
             st.last_probe_epoch = epoch
             st.probes += 1
             return _Mode("probe", plane=plane, dropped=dropped)
         return _Mode("multipath", dropped=dropped)
+
+    @staticmethod
+    def _readd_check_due(st: "_RankState", epoch: Optional[int]) -> bool:
+        """This operation's first judgeable stage checks a re-add (READD_CHECK_AFTER):
+        the plane is still in use and the check's epoch has come."""
+        return (st.readd_check_epoch is not None and epoch is not None and epoch >= st.readd_check_epoch
+                and not st.dropped)
 
     def _probe_due(self, st: "_RankState", k: int, epoch: Optional[int]) -> bool:
         if epoch is None:
@@ -772,8 +800,12 @@ class PathController:
             if alone:
                 est = info["est"][used[0]]
                 self._record_solo(st, src, used[0], nbytes, duration, est["latency_s"], k, est, t_end)
-            if info["mode"] == "check" and alone:
-                self._resolve_check(st, src, used[0], k)
+            if info["mode"] == "check":
+                checking_readd, st.checking_readd = st.checking_readd, False
+                if alone and checking_readd:
+                    self._check_readd(st, src, used[0], nbytes, duration, k)
+                elif alone:
+                    self._resolve_check(st, src, used[0], k)
             elif info["mode"] == "multipath" and not st.dropped:
                 self._note_unused(st, src, keep=used[0], k=k)
             return
@@ -950,6 +982,21 @@ class PathController:
         if ratio is not None and ratio > 1 - self.config.min_gain and len(st.joint) >= JOINT_STAGES_TO_DROP:
             self._drop(st, src, keep=plane, k=k, evidence=self._joint_evidence(st, ratio))
 
+    def _check_readd(self, st, src, plane, nbytes, duration, k) -> None:
+        """A re-add's check (READD_CHECK_AFTER): the re-adding probe's stage and the
+        joint stages judged since, against this stage on ``plane`` alone, not
+        against the records the probe was judged by. The split must still beat it
+        by ``readd_margin``, what the re-add asked of the probe, or the plane is
+        dropped again. The stage's own time, not its record: every rank that
+        re-added checks in this operation, so no peer's split ends it early (what
+        the record's cap is for), and capped, a 141 ms check read 151 ms."""
+        stages = st.readd_stages + list(st.joint)
+        ratios = [d / (duration * n / nbytes) for n, d in stages if _comparable(nbytes, n)]
+        if ratios and statistics.median(ratios) > 1 - self.config.readd_margin:
+            self._drop(st, src, keep=plane, k=k, evidence={
+                "split_over_check": statistics.median(ratios), "check_s": duration,
+                "joint_s": [round(d, 6) for _, d in stages]})
+
     @staticmethod
     def _joint_evidence(st, ratio) -> dict:
         """What a harm verdict rests on, for the trace: the median ratio and the judged stages."""
@@ -966,6 +1013,7 @@ class PathController:
         t_best = self._solo_time(st, keep, nbytes, best=True) if keep else None
         # No solo record (cleared by a regime change) is no evidence: the
         # stages the dropped plane leaves solo refill it before the next probe.
+        st.last_probe_stage = (nbytes, duration)
         if t_best is not None and duration < t_best * (1 - cfg.readd_margin):
             self._readd(st, st.last_probe_epoch, {"decision": k, "rank": src, "event": "readd", "plane": info["plane"],
                                                   "probe_s": duration, "solo_s": t_solo, "best_solo_s": t_best})
@@ -1001,7 +1049,11 @@ class PathController:
         st.next_probe_k = k + st.probe_interval
 
     def _readd(self, st: _RankState, epoch: Optional[int], event: dict) -> None:
-        """Bring the dropped plane back (a probe's gain here, or a peer's: _follow_peer_readd)."""
+        """Bring the dropped plane back (a probe's gain here, or a peer's: _follow_peer_readd),
+        and check it READD_CHECK_AFTER operations after this rank's probe's grid point."""
+        st.readd_keep = next((p for p in PLANES if p not in st.dropped), None)
+        st.readd_stages = [st.last_probe_stage] if st.last_probe_stage is not None else []
+        st.readd_check_epoch = None if st.probe_grid_epoch is None else st.probe_grid_epoch + READD_CHECK_AFTER
         st.dropped.clear()
         st.joint.clear()
         st.probe_interval = 0
@@ -1062,6 +1114,8 @@ class PathController:
         st.drops += 1
         st.unused_stages = 0
         st.pending_check = None
+        st.readd_check_epoch = None
+        st.checking_readd = False
         st.joint.clear()
         st.probe_interval = cfg.probe_every
         st.next_probe_k = k + cfg.probe_every
