@@ -20,6 +20,8 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 from stats import holds, noise_floor, ratio_ci  # noqa: E402
 
+from mpccs.perf import host_speed_text  # noqa: E402
+
 BIN = os.path.dirname(sys.executable)
 POLICIES = "up,up,out,0.8,adaptive"
 # The controller's start-up (probes at its 4th, 16th and 32nd operations) runs
@@ -72,6 +74,8 @@ def report(out: str) -> str:
         "vs `up#2`). CPU stolen: the share of the host's CPU time the hypervisor gave to other guests while the "
         "point ran (/proc/stat; the peers' points are not covered).",
         "",
+        _host_text(perf["meta"].get("host_speed")),
+        "",
         settle_text(perf["meta"].get("settle")),
         "",
         "| size | up | out | 0.8 | adaptive | MPI | gloo | adaptive / best single | A/A floor | adaptive / MPI | "
@@ -95,6 +99,14 @@ def report(out: str) -> str:
     lines += ["", "## Targets (benchmarks issue)", ""]
     lines += targets(verdicts, rows)
     return "\n".join(lines) + "\n"
+
+
+def _host_text(speed) -> str:
+    """The host's reference speeds at the start of the mpccs run (mpccs.perf.host_speed)."""
+    if not speed:
+        return "Host speed: not recorded."
+    return (f"Host speed at the start (every rank at once): {host_speed_text(speed)} (docs/benchmarks.md, method; "
+            "compare across reports: slow spells show here even when no CPU is stolen).")
 
 
 def _stolen(x) -> str:

@@ -1,6 +1,8 @@
 """How much CPU the hypervisor takes from this VM right now: spin every core for a few
-seconds and report the share of that time stolen (/proc/stat). Run it before a benchmark:
-the VMs here have slow spells (20-40% stolen) in which every column of a report halves.
+seconds and report the share of that time stolen (/proc/stat), then the host's reference
+speeds (mpccs.perf.host_speed: a Python loop and an 8 MiB copy, as every mpccs-perf run
+records them). Run it before a benchmark: the VMs here have slow spells, some stolen time
+(20-40% stolen) and some not, in which every column of a report halves.
 
     python bench/host_steal.py [--seconds 3]
 """
@@ -13,7 +15,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from mpccs.perf import cpu_ticks, stolen_share  # noqa: E402
+from mpccs.perf import cpu_ticks, host_speed, host_speed_text, stolen_share  # noqa: E402
 
 
 def _spin(seconds: float) -> None:
@@ -44,6 +46,7 @@ def main() -> int:
         return 1
     print(f"stolen: {100 * share:.0f}% of the CPU time while every core was busy"
           + (" (a slow spell: benchmark later)" if share > 0.05 else ""))
+    print(f"host: {host_speed_text(host_speed())}")
     return 0
 
 

@@ -22,6 +22,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from stats import holds, noise_floor, ratio_ci  # noqa: E402
 
+from mpccs.perf import host_speed_text  # noqa: E402
 from mpccs.testbed import Cluster  # noqa: E402
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
@@ -52,12 +53,21 @@ def verdicts(data: dict) -> list[dict]:
         out.append({"collective": data["rows"][0]["collective"], "size": size, "busbw": {p: rows[(p, size)]["busbw"]
                     for p in ("up", "out", "adaptive")}, "share_up": ad["up_share"], "floor": floor,
                     "vs_up": vs_up, "vs_sum": vs_sum, "steal": ad.get("steal"),
+                    "host_speed": data.get("meta", {}).get("host_speed"),
                     "holds_up": holds(vs_up, 1.35, floor), "holds_sum": holds(vs_sum, 0.90, floor)})
     return out
 
 
 def _percent(x) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def _host_text(results: list[dict]) -> str:
+    """The host's reference speeds at the start of each collective's run (mpccs.perf.host_speed)."""
+    seen = {r["collective"]: r.get("host_speed") for r in results}
+    parts = [f"{c}: {host_speed_text(speed)}" for c, speed in seen.items() if speed]
+    return ("Host speed at the start of each run (docs/benchmarks.md, method): " + "; ".join(parts) + "."
+            if parts else "Host speed: not recorded.")
 
 
 def render(results: list[dict], meta: dict) -> str:
@@ -68,6 +78,8 @@ def render(results: list[dict], meta: dict) -> str:
         f"{meta['iters']} iterations per point, interleaved; measured {meta['time']}. CPU stolen: the share of "
         "the host's CPU time the hypervisor gave to other guests during the point (/proc/stat): the runs here "
         "came in slow spells where it rose, and every column with it.",
+        "",
+        _host_text(results),
         "",
         "| collective | size | busbw up | busbw out | busbw adaptive | up share | adaptive / (up+out) | "
         "adaptive / up | A/A floor | CPU stolen | >= 0.90x sum | >= 1.35x up |",

@@ -265,6 +265,44 @@ def steal_note(steal: float | None) -> str | None:
             "its numbers measure the host as much as the library")
 
 
+HOST_LOOP_ITERS = 300_000
+HOST_COPY_BYTES = 8 << 20
+
+
+def host_speed() -> dict:
+    """Two reference speeds of this host now, measured on every rank at once before
+    the communicator starts (~0.1 s): a pure-Python loop in ns per iteration (what the
+    per-call path of a small collective is made of) and an 8 MiB numpy copy in GB/s
+    (what shared-memory steps are made of). The VMs here have slow spells with little
+    stolen time that still halve every column (8-byte latency 28 -> 71-80 us, MPICH
+    2.5 -> 3.7 us): with these figures a results file says which kind of host it saw."""
+    t0 = time.perf_counter()
+    total = 0
+    for i in range(HOST_LOOP_ITERS):
+        total += i
+    loop_ns = (time.perf_counter() - t0) / HOST_LOOP_ITERS * 1e9
+    src = np.ones(HOST_COPY_BYTES // 8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # pages touched
+    copies = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        copies.append(time.perf_counter() - t0)
+    return {"python_loop_ns": round(loop_ns, 1), "copy_GBps": round(HOST_COPY_BYTES / min(copies) / 1e9, 2)}
+
+
+def host_speed_text(speed: dict) -> str:
+    return f"python loop {speed['python_loop_ns']:.1f} ns/iteration, 8 MiB copy {speed['copy_GBps']:.2f} GB/s"
+
+
+def host_speed_line(speed: dict | None) -> str:
+    """The header line of mpccs-perf's table."""
+    if not speed:
+        return "# host: not measured"
+    return f"# host: {host_speed_text(speed)} (at the start; docs/benchmarks.md, method)"
+
+
 def settle(comm, make_case, size_list, ops: int):
     """Run the controller's start-up before the sweep: at the first swept size
     where its clock advances (one operation there finds it: a size it may
@@ -358,6 +396,7 @@ def main(argv=None) -> int:
 
     import mpccs
 
+    speed = host_speed()  # every rank at once, before any progress runs
     try:  # a bad setting (flag or MPCCS_* variable) is a usage error, not a traceback
         if ns.policies:
             policies = tuple(parse_policy(p) for p in ns.policies.split(","))
@@ -372,7 +411,7 @@ def main(argv=None) -> int:
     rows = []
     size_list = sizes(parse_size(ns.minbytes), parse_size(ns.maxbytes), ns.stepfactor)
     if comm.rank == 0:
-        print(header(comm, ns, policies), flush=True)
+        print(header(comm, ns, policies, speed), flush=True)
 
     def make_case(nbytes):
         return Case(comm, ns.collective, nbytes, dtype, ns.op, ns.root, ns.in_place, ns.memory)
@@ -406,7 +445,8 @@ def main(argv=None) -> int:
         footer(rows, policies)
         if ns.json:
             with open(ns.json, "w") as fh:
-                json.dump({"meta": {**environment(comm, ns), "settle": settled}, "rows": rows}, fh, indent=1,
+                json.dump({"meta": {**environment(comm, ns), "host_speed": speed, "settle": settled}, "rows": rows},
+                          fh, indent=1,
                           default=str)
     wrong_any = any(r["wrong"] for r in rows)
     comm.close()
@@ -431,7 +471,7 @@ def make_row(comm, case, ns, policy, times, shares, stats, wrong) -> dict:
     }
 
 
-def header(comm, ns, policies) -> str:
+def header(comm, ns, policies, speed: dict | None = None) -> str:
     from . import __version__
     from .transports.ucx import ucx_version
 
@@ -444,6 +484,7 @@ def header(comm, ns, policies) -> str:
         f"# planes: {planes}; buffers in {_memory_text(comm, ns.memory)}",
         f"# iters {ns.iters} warmup {ns.warmup_iters}; time = median over iterations of the slowest rank (us); GB/s = 1e9 B/s",
         f"# policies: {', '.join(policy_label(p) for p in policies)}",
+        host_speed_line(speed),
         "#",
         cols,
         "#                                                                            (us)    (GB/s)    (GB/s)",

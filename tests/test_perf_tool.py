@@ -32,7 +32,10 @@ def test_table_json_and_no_wrong_elements(tmp_path, collective):
     assert "# Out of bounds values : 0 OK" in p.stdout
     assert "# Avg bus bandwidth (up)" in p.stdout
     data = json.loads(out.read_text())
-    assert {"mpccs", "ucx", "ucxx", "numpy", "kernel", "planes", "nranks"} <= set(data["meta"])
+    assert {"mpccs", "ucx", "ucxx", "numpy", "kernel", "planes", "nranks", "host_speed"} <= set(data["meta"])
+    speed = data["meta"]["host_speed"]
+    assert speed["python_loop_ns"] > 0 and speed["copy_GBps"] > 0
+    assert f"# host: python loop {speed['python_loop_ns']:.1f} ns/iteration" in p.stdout
     for row in data["rows"]:
         assert {"collective", "size", "count", "type", "redop", "root", "policy", "time_us", "algbw", "busbw",
                 "wrong", "up_share", "algorithm", "channels", "times_us", "steal"} <= set(row)
