@@ -149,12 +149,14 @@ def test_testbed_targets_report_gives_ratios_to_the_sum_and_up_and_the_stolen_cp
     # adaptive at 2/3 of up's time: 1.5x up, and 1 / (1/30 + 1/60) = 20 = its time: 1.0x the sum
     data = {"rows": [row("up", [30.0] * 10), row("up#2", [30.0] * 10), row("out", [60.0] * 10),
                      row("adaptive", [20.0] * 10)],
-            "meta": {"host_speed": {"python_loop_ns": 61.5, "copy_GBps": 8.25}}}
+            "meta": {"host_speed": {"python_loop_ns": 61.5, "copy_GBps": 8.25},
+                     "settle": {"size": 16 * mib, "ops": 12, "adaptive_s": 0.6, "up_s": 0.75}}}
     (verdict,) = targets.verdicts(data)
     assert verdict["vs_up"][0] == pytest.approx(1.5) and verdict["vs_sum"][0] == pytest.approx(1.0)
     assert verdict["holds_up"] and verdict["holds_sum"] and verdict["steal"] == 0.12
     text = targets.render([verdict], {"up_rate": "2.4gbit", "out_rate": "1.2gbit", "iters": 10, "time": "now"})
     assert "all_gather: python loop 61.5 ns/iteration, 8 MiB copy 8.25 GB/s" in text
+    assert "12 operations of 16 MiB" in text and "all_gather 0.80x (600 / 750 ms)" in text
     cells = table_rows(text.replace("| all_gather | ", "| "))["16 MiB"]
     assert cells[4:] == ["1.00 [1.00, 1.00]", "1.50 [1.50, 1.50]", "0.000", "12%", "holds", "holds"]
 
