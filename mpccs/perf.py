@@ -445,9 +445,8 @@ def main(argv=None) -> int:
         footer(rows, policies)
         if ns.json:
             with open(ns.json, "w") as fh:
-                json.dump({"meta": {**environment(comm, ns), "host_speed": speed, "settle": settled}, "rows": rows},
-                          fh, indent=1,
-                          default=str)
+                meta = {**environment(comm, ns), "host_speed": speed, "settle": settled}
+                json.dump({"meta": meta, "rows": rows}, fh, indent=1, default=str)
     wrong_any = any(r["wrong"] for r in rows)
     comm.close()
     return 1 if wrong_any else 0
