@@ -98,6 +98,15 @@ def local_plan(schedule: Schedule, rank: int) -> LocalPlan:
     return plan
 
 
+def _probing(plan, rank: int) -> bool:
+    """Whether ``rank`` probed a dropped plane in the stage ``plan`` describes. A
+    rank's plan records its own mode only (its peers' entries are modelled), but
+    ranks probe together, in the operations of a shared epoch grid
+    (docs/controller.md, Re-probe), so a probing rank's peers probe too."""
+    reason = plan.reason if plan is not None else {}
+    return reason.get("ranks", {}).get(str(rank), {}).get("mode") == "probe"
+
+
 class CollectiveOp(Operation):
     def __init__(self, engine, seq, schedule: Schedule, buffers: dict, dtype, op: str,
                  splitter: Splitter, chunk_bytes: int, name: str, finalize: Optional[Callable] = None,
@@ -794,8 +803,9 @@ class CollectiveOp(Operation):
                 # fixed-policy operations (a benchmark interleaving 'out' or
                 # 0.8 with 'adaptive') describe splits it did not choose and
                 # upset its solo/joint bookkeeping.
-                for sample in run.delivery_samples():
-                    self.engine.controller.on_delivery(*sample)
+                probing = _probing(run.plan, self.rank)
+                for plane, sender, nbytes, t_first, t_last in run.delivery_samples():
+                    self.engine.controller.on_delivery(plane, sender, nbytes, t_first, t_last, probe=probing)
             if self.engine.controller is not None and run.plan is not None and "decision" in run.plan.reason:
                 self.engine.controller.on_stage(run.plan.reason["decision"], run.t_start, run.t_end,
                                                 dict(run.bytes_by_plane), received_by_plane=run.received_by_plane())

@@ -215,6 +215,27 @@ def test_a_link_slower_per_byte_for_larger_transfers_is_planned_at_their_rate():
     assert est.rate(t) == pytest.approx(rate_of[small], rel=0.01)
 
 
+def test_a_probes_slow_larger_samples_do_not_set_the_larger_transfers_rate():
+    # 2.4 / 1.2 Gbit/s testbed: the probe's two 2.5 MiB stages on a connection idle
+    # since the drop read 98-119 MB/s, the 2 MiB joint stages after it 134-196; taken
+    # as latency growing faster than size, 'out' was planned at 119 MB/s for 2 s.
+    def samples(est, probe_evidence):
+        t = 0.0
+        for n, lat, probe in [(2560 * KiB, 0.0269, True), (2560 * KiB, 0.0220, True)] + [(2 * MiB, 0.0145, False)] * 4:
+            est.add(n, t, t + lat, None, size_evidence=not probe or probe_evidence)
+            t += lat + 0.01
+        return t
+
+    est = PathEstimator(prior_latency_s=30e-6)
+    t = samples(est, probe_evidence=False)
+    assert est._larger is None
+    assert est.rate(t) == pytest.approx(2 * MiB / (0.0145 - 30e-6), rel=0.01)  # the lower median of the last five
+    est = PathEstimator(prior_latency_s=30e-6)  # counted as size evidence: held at the probe's rate
+    t = samples(est, probe_evidence=True)
+    assert est._larger is not None
+    assert est.rate(t) == pytest.approx(2560 * KiB / (0.0269 - 30e-6), rel=0.01)  # the slower probe stage's
+
+
 def test_a_link_whose_latency_grows_with_size_keeps_its_rate():
     # Latency a + n / B at mixed sizes (1.2-1.5x apart): the line meets zero size
     # above zero, so the larger transfers set nothing apart.
@@ -1379,3 +1400,13 @@ def test_a_rank_that_followed_a_peers_readd_checks_it_in_the_same_operation():
     ctrl._follow_peer_readd(0, {"out"})
     assert not st.dropped and st.readd_check_epoch == 16 + READD_CHECK_AFTER
     assert st.readd_stages == [(nbytes, 0.140)]
+
+
+def test_a_stage_a_rank_probed_in_marks_its_delivery_samples():
+    # Ranks probe together, so the engine marks what arrives in a stage this rank probed.
+    from types import SimpleNamespace
+
+    from mpccs.collective_op import _probing
+    plan = SimpleNamespace(reason={"ranks": {"0": {"mode": "probe"}, "1": {"mode": "multipath"}}})
+    assert _probing(plan, 0) and not _probing(plan, 1)
+    assert not _probing(None, 0) and not _probing(SimpleNamespace(reason={}), 0)

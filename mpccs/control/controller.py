@@ -759,15 +759,19 @@ class PathController:
         """One chunk completion seen at a plane's window (``src`` defaults to this rank)."""
         self.estimator.observe(self.rank if src is None else src, plane, peer, nbytes, t_post, t_done)
 
-    def on_delivery(self, plane: str, sender: int, nbytes: int, t_start: float, t_last: float) -> None:
+    def on_delivery(self, plane: str, sender: int, nbytes: int, t_start: float, t_last: float,
+                    probe: bool = False) -> None:
         """Bytes from ``sender`` that arrived here over ``plane`` between
         ``t_start`` and ``t_last``: a sample of the path sender -> this rank.
         Filed under the sender's path and exported for it: a rank that filed
         what it received under its own path *to* the peer took links as
         symmetric, and under load in one direction the two ranks of a pair
         split on each other's numbers (one cut its unloaded link, the other
-        kept 31% of its bytes on the loaded one)."""
-        self.estimator.observe(sender, plane, self.rank, nbytes, t_start, t_last, port=self.rank)
+        kept 31% of its bytes on the loaded one). ``probe``: the sender probed
+        the plane in this stage (a rate, not evidence of how latency grows
+        with size: PathEstimator._note_larger)."""
+        self.estimator.observe(sender, plane, self.rank, nbytes, t_start, t_last, port=self.rank,
+                               size_evidence=not probe)
 
     def on_stage(self, decision: StageDecision, t_start: float, t_end: float,
                  bytes_by_plane: Mapping[str, int], rank: Optional[int] = None,

@@ -184,10 +184,15 @@ class PathEstimator:
         # transfers when latency last grew faster than size across the fresh
         # samples (see SUPERLINEAR_MIN_SIZE_RATIO), else None
         self._larger: Optional[tuple[float, int, float, float]] = None
+        self._no_size_evidence: deque = deque(maxlen=max_samples)  # t_done of idle-start samples from probes
         self._version = 0
         self._cache = None
 
-    def add(self, nbytes: int, t_post: float, t_done: float, prev_done: Optional[float]) -> None:
+    def add(self, nbytes: int, t_post: float, t_done: float, prev_done: Optional[float],
+            size_evidence: bool = True) -> None:
+        """One completion. ``size_evidence`` False: a rate sample, not evidence of how
+        latency grows with size (a probe's stage, the first on a plane that was
+        dropped: see _note_larger)."""
         latency = t_done - t_post
         if nbytes <= 0 or latency <= _MIN_ELAPSED_S:
             return
@@ -196,6 +201,8 @@ class PathEstimator:
         self._delays.append((t_done, latency, nbytes))
         if idle_start:
             self._clean_delays.append((t_done, latency, nbytes))
+            if not size_evidence:
+                self._no_size_evidence.append(t_done)
             self._idle_step()
             self._note_larger(t_done)
         start = t_post if prev_done is None else max(t_post, prev_done)
@@ -258,8 +265,16 @@ class PathEstimator:
 
     def _note_larger(self, now: float) -> None:
         """Remember the rate of the largest recent transfers while the fresh
-        idle-start samples grow superlinearly (see SUPERLINEAR_MIN_SIZE_RATIO)."""
-        fresh = [x for x in self._clean_delays if now - x[0] <= self.max_age_s]
+        idle-start samples grow superlinearly (see SUPERLINEAR_MIN_SIZE_RATIO).
+
+        A probe's samples do not count: a probe carries the largest share a
+        plane gets (probe_share) on a connection that sat idle while the plane
+        was dropped, so its stages are both the largest and the slowest for a
+        reason other than size. On the 2.4 / 1.2 Gbit/s testbed the probe's two
+        2.5 MiB samples read 98-119 MB/s, the 2 MiB ones after it 134-196, and
+        the rule planned 'out' at 119 for the 2 s they stayed fresh: the 16 MiB
+        all_reduce split 0.75 on 'up' instead of 0.69 for ~50 operations."""
+        fresh = [x for x in self._clean_delays if now - x[0] <= self.max_age_s and x[0] not in self._no_size_evidence]
         if not _superlinear(fresh):
             return
         a = self._fit_delay(fresh)
@@ -496,11 +511,11 @@ class Estimator:
 
     # -- observations ---------------------------------------------------
     def observe(self, src: int, plane: str, peer: int, nbytes: int, t_post: float, t_done: float,
-                port: Optional[int] = None) -> None:
+                port: Optional[int] = None, size_evidence: bool = True) -> None:
         """One sample of the path ``src`` -> ``peer``, seen at rank ``port``
         (default ``src``: a sender's own completion). ``t_post`` counts as an
         idle start unless the port's previous completion on the plane came
-        later."""
+        later. ``size_evidence``: see PathEstimator.add."""
         if plane not in PLANES:
             raise ValueError(f"unknown plane {plane!r}")
         port = src if port is None else port
@@ -512,7 +527,7 @@ class Estimator:
                                                         prior_latency_s=float(self.prior_latency_s[plane]))
             self._port_of[(src, plane, peer)] = port
         prev = self._last_done.get((port, plane))
-        path.add(nbytes, t_post, t_done, prev)
+        path.add(nbytes, t_post, t_done, prev, size_evidence)
         self._last_done[(port, plane)] = t_done if prev is None else max(prev, t_done)
 
     def set_remote(self, reporter: int, entries: Mapping[tuple[int, str, int], tuple[float, float, int]]) -> None:
