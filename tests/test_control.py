@@ -1189,10 +1189,10 @@ def test_a_probe_planned_from_the_prior_is_repeated_on_what_it_measured_not_back
     assert len(probes) == 2 and events == ["readd", "readd"]
     solo = statistics.median(sum(times[e]) for e in range(1, FIRST_PROBE_AFTER))
     assert sum(times[FIRST_PROBE_AFTER]) > 1.1 * solo  # the first probe did hurt
-    # Both ranks check the re-add on 'up' alone in one stage (every rank that re-added from the
-    # probe at grid point 4, the repeat's included), and the split survives the check.
+    # Both ranks check the re-add on 'up' alone in one operation, both its stages (every rank that
+    # re-added from the probe at grid point 4, the repeat's included), and the split survives the check.
     check_epoch = FIRST_PROBE_AFTER + READD_CHECK_AFTER
-    assert checks == [(check_epoch, "check", "check")]
+    assert checks == [(check_epoch, "check", "check")] * 2
     later = [sum(times[e]) for e in range(FIRST_PROBE_AFTER + 2, 3 * cfg.probe_every) if e != check_epoch]
     assert max(later) < 0.9 * solo  # and both planes stay in use, ~0.8x of 'up' alone
     for c in ctls:
@@ -1370,7 +1370,7 @@ def test_a_readd_is_checked_against_a_fresh_solo_stage_and_dropped_when_the_spli
             ctrl._judge_joint(st, 0, info, nbytes, 0.135, k)
         assert not st.dropped  # 0.135 / 0.175: a gain against the records the probe was judged by
         check = ctrl._mode(0, grid + READD_CHECK_AFTER, flows, ("up", "out"), epoch=grid + READD_CHECK_AFTER)
-        assert (check.kind, check.plane, st.checking_readd) == ("check", "up", True)
+        assert (check.kind, check.plane, st.readd_check_op) == ("check", "up", grid + READD_CHECK_AFTER)
         return ctrl, st
 
     ctrl, st = readded()
@@ -1382,7 +1382,16 @@ def test_a_readd_is_checked_against_a_fresh_solo_stage_and_dropped_when_the_spli
     ctrl, st = readded(grid=16)
     ctrl._check_readd(st, 0, "up", nbytes, 0.150, k=20)  # 'up' alone is 10% slower: the split pays
     assert not st.dropped and st.readd_check_epoch is None
-    assert ctrl._mode(0, 21, flows, ("up", "out"), epoch=21).kind == "multipath"  # one check per re-add
+    assert ctrl._mode(0, 21, flows, ("up", "out"), epoch=21).kind == "multipath"  # one check operation per re-add
+
+    # Every stage of the check operation runs alone, judged by the fastest: a stalled first one
+    # (0.190 s) reads as a gain, the second (0.140 s) does not.
+    ctrl, st = readded()
+    ctrl._check_readd(st, 0, "up", nbytes, 0.190, k=8)
+    assert not st.dropped
+    assert ctrl._mode(0, 9, flows, ("up", "out"), epoch=8).kind == "check"  # the operation's next stage
+    ctrl._check_readd(st, 0, "up", nbytes, 0.140, k=9)
+    assert st.dropped == {"out"}
 
 
 def test_a_rank_that_followed_a_peers_readd_checks_it_in_the_same_operation():

@@ -225,10 +225,11 @@ class _RankState:
     harmless_probe_epoch: Optional[int] = None  # epoch of this rank's last probe that showed no harm
     probe_grid_epoch: Optional[int] = None  # the grid point of the last probe (its epoch, or the one before for a repeat)
     last_probe_stage: Optional[tuple] = None  # (bytes, s) of the last probe's stage
-    readd_check_epoch: Optional[int] = None  # a re-add is checked by a solo stage in this operation (READD_CHECK_AFTER)
+    readd_check_epoch: Optional[int] = None  # a re-add is checked from this operation on (READD_CHECK_AFTER) ...
+    readd_check_op: Optional[int] = None  # ... in the first one that has a judgeable stage: all its stages run solo
+    readd_checks: list = field(default_factory=list)  # (bytes, s) of that operation's check stages so far
     readd_stages: list = field(default_factory=list)  # (bytes, s): the re-adding probe's stage, judged with the joint ones
     readd_keep: Optional[str] = None  # the plane kept while the re-added one was dropped: the check runs on it
-    checking_readd: bool = False  # the check stage in flight is a re-add's
     unused_stages: int = 0  # consecutive multipath stages that gave a usable plane nothing
     checks: int = 0
     drops: int = 0
@@ -437,8 +438,8 @@ class PathController:
         if not _judgeable(flows, cfg.min_multipath_bytes):
             return _Mode("multipath", dropped=dropped)
         if self._readd_check_due(st, epoch):
-            st.readd_check_epoch = None
-            st.checking_readd = True
+            st.readd_check_epoch, st.readd_check_op, st.readd_checks = None, epoch, []
+        if st.readd_check_op is not None and epoch == st.readd_check_op and not st.dropped:
             st.pending_check = st.readd_keep or solo_planes[0]
         if st.pending_check is not None:
             plane, st.pending_check = st.pending_check, None
@@ -804,11 +805,10 @@ class PathController:
             if alone:
                 est = info["est"][used[0]]
                 self._record_solo(st, src, used[0], nbytes, duration, est["latency_s"], k, est, t_end)
-            if info["mode"] == "check":
-                checking_readd, st.checking_readd = st.checking_readd, False
-                if alone and checking_readd:
+            if info["mode"] == "check" and alone:
+                if st.readd_check_op is not None and self._epoch == st.readd_check_op:
                     self._check_readd(st, src, used[0], nbytes, duration, k)
-                elif alone:
+                else:
                     self._resolve_check(st, src, used[0], k)
             elif info["mode"] == "multipath" and not st.dropped:
                 self._note_unused(st, src, keep=used[0], k=k)
@@ -987,18 +987,25 @@ class PathController:
             self._drop(st, src, keep=plane, k=k, evidence=self._joint_evidence(st, ratio))
 
     def _check_readd(self, st, src, plane, nbytes, duration, k) -> None:
-        """A re-add's check (READD_CHECK_AFTER): the re-adding probe's stage and the
-        joint stages judged since, against this stage on ``plane`` alone, not
-        against the records the probe was judged by. The split must still beat it
-        by ``readd_margin``, what the re-add asked of the probe, or the plane is
-        dropped again. The stage's own time, not its record: every rank that
-        re-added checks in this operation, so no peer's split ends it early (what
-        the record's cap is for), and capped, a 141 ms check read 151 ms."""
+        """A re-add's check (READD_CHECK_AFTER), after each of the check operation's
+        stages: the re-adding probe's stage and the joint stages judged since,
+        against the fastest check stage so far on ``plane`` alone, not against the
+        records the probe was judged by. The split must still beat it by
+        ``readd_margin``, what the re-add asked of the probe, or the plane is
+        dropped again. Stage times, not records: every rank that re-added checks
+        in this operation, so no peer's split ends a check stage early (what the
+        record's cap is for), and capped, a 141 ms check read 151 ms. The fastest
+        of the operation's stages: a CPU stall only slows a stage, and with one
+        check stage each, both ranks of a shared-bottleneck testbed run read
+        their stalled check as a gain and kept the split (2 runs of 24 under a
+        CPU hog)."""
+        st.readd_checks.append((nbytes, duration))
+        best_rate = max(n / d for n, d in st.readd_checks)
         stages = st.readd_stages + list(st.joint)
-        ratios = [d / (duration * n / nbytes) for n, d in stages if _comparable(nbytes, n)]
+        ratios = [d / (n / best_rate) for n, d in stages if _comparable(nbytes, n)]
         if ratios and statistics.median(ratios) > 1 - self.config.readd_margin:
             self._drop(st, src, keep=plane, k=k, evidence={
-                "split_over_check": statistics.median(ratios), "check_s": duration,
+                "split_over_check": statistics.median(ratios), "check_s": [round(d, 6) for _, d in st.readd_checks],
                 "joint_s": [round(d, 6) for _, d in stages]})
 
     @staticmethod
@@ -1058,6 +1065,7 @@ class PathController:
         st.readd_keep = next((p for p in PLANES if p not in st.dropped), None)
         st.readd_stages = [st.last_probe_stage] if st.last_probe_stage is not None else []
         st.readd_check_epoch = None if st.probe_grid_epoch is None else st.probe_grid_epoch + READD_CHECK_AFTER
+        st.readd_check_op = None
         st.dropped.clear()
         st.joint.clear()
         st.probe_interval = 0
@@ -1118,8 +1126,7 @@ class PathController:
         st.drops += 1
         st.unused_stages = 0
         st.pending_check = None
-        st.readd_check_epoch = None
-        st.checking_readd = False
+        st.readd_check_epoch = st.readd_check_op = None
         st.joint.clear()
         st.probe_interval = cfg.probe_every
         st.next_probe_k = k + cfg.probe_every
