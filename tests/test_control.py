@@ -1408,7 +1408,10 @@ def test_a_rank_that_followed_a_peers_readd_checks_it_in_the_same_operation():
     ctrl._epoch = 18
     ctrl._follow_peer_readd(0, {"out"})
     assert not st.dropped and st.readd_check_epoch == 16 + READD_CHECK_AFTER
-    assert st.readd_stages == [(nbytes, 0.140)]
+    # the check judges this rank's own probe stage: 0.140 s against a 0.145 s check is no gain of 8%
+    ctrl._check_readd(st, 1, "up", nbytes, 0.145, k=20)
+    drop, = [e for e in ctrl.take_events() if e["event"] == "drop"]
+    assert drop["joint_s"] == [0.14] and drop["split_over_check"] == pytest.approx(0.140 / 0.145)
 
 
 def test_a_stage_a_rank_probed_in_marks_its_delivery_samples():

@@ -224,11 +224,10 @@ class _RankState:
     readd_epoch: Optional[int] = None  # epoch of the probe that last brought a plane back
     harmless_probe_epoch: Optional[int] = None  # epoch of this rank's last probe that showed no harm
     probe_grid_epoch: Optional[int] = None  # the grid point of the last probe (its epoch, or the one before for a repeat)
-    last_probe_stage: Optional[tuple] = None  # (bytes, s) of the last probe's stage
+    last_probe_stage: Optional[tuple] = None  # (bytes, s) of the last probe's stage (a re-add's check judges it)
     readd_check_epoch: Optional[int] = None  # a re-add is checked from this operation on (READD_CHECK_AFTER) ...
     readd_check_op: Optional[int] = None  # ... in the first one that has a judgeable stage: all its stages run solo
     readd_checks: list = field(default_factory=list)  # (bytes, s) of that operation's check stages so far
-    readd_stages: list = field(default_factory=list)  # (bytes, s): the re-adding probe's stage, judged with the joint ones
     readd_keep: Optional[str] = None  # the plane kept while the re-added one was dropped: the check runs on it
     unused_stages: int = 0  # consecutive multipath stages that gave a usable plane nothing
     checks: int = 0
@@ -461,8 +460,9 @@ class PathController:
 
     @staticmethod
     def _readd_check_due(st: "_RankState", epoch: Optional[int]) -> bool:
-        """This operation's first judgeable stage checks a re-add (READD_CHECK_AFTER):
-        the plane is still in use and the check's epoch has come."""
+        """A re-add's check operation begins here (READD_CHECK_AFTER): the plane is still
+        in use and this is the first operation with a judgeable stage from the check's
+        epoch on; every judgeable stage of it then runs alone (_mode)."""
         return (st.readd_check_epoch is not None and epoch is not None and epoch >= st.readd_check_epoch
                 and not st.dropped)
 
@@ -768,9 +768,9 @@ class PathController:
         what it received under its own path *to* the peer took links as
         symmetric, and under load in one direction the two ranks of a pair
         split on each other's numbers (one cut its unloaded link, the other
-        kept 31% of its bytes on the loaded one). ``probe``: the sender probed
-        the plane in this stage (a rate, not evidence of how latency grows
-        with size: PathEstimator._note_larger)."""
+        kept 31% of its bytes on the loaded one). ``probe``: the stage was a probe
+        here, so at the sender too (ranks probe together): a rate, not evidence
+        of how latency grows with size (PathEstimator._note_larger)."""
         self.estimator.observe(sender, plane, self.rank, nbytes, t_start, t_last, port=self.rank,
                                size_evidence=not probe)
 
@@ -1001,7 +1001,8 @@ class PathController:
         CPU hog)."""
         st.readd_checks.append((nbytes, duration))
         best_rate = max(n / d for n, d in st.readd_checks)
-        stages = st.readd_stages + list(st.joint)
+        # the re-adding probe's stage: no probe runs while the plane is in use, so it is the last one
+        stages = ([st.last_probe_stage] if st.last_probe_stage is not None else []) + list(st.joint)
         ratios = [d / (n / best_rate) for n, d in stages if _comparable(nbytes, n)]
         if ratios and statistics.median(ratios) > 1 - self.config.readd_margin:
             self._drop(st, src, keep=plane, k=k, evidence={
@@ -1063,7 +1064,6 @@ class PathController:
         """Bring the dropped plane back (a probe's gain here, or a peer's: _follow_peer_readd),
         and check it READD_CHECK_AFTER operations after this rank's probe's grid point."""
         st.readd_keep = next((p for p in PLANES if p not in st.dropped), None)
-        st.readd_stages = [st.last_probe_stage] if st.last_probe_stage is not None else []
         st.readd_check_epoch = None if st.probe_grid_epoch is None else st.probe_grid_epoch + READD_CHECK_AFTER
         st.readd_check_op = None
         st.dropped.clear()
