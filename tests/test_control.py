@@ -1352,7 +1352,7 @@ def test_a_readd_is_checked_against_a_fresh_solo_stage_and_dropped_when_the_spli
     # read 0.78x of the stale records and the split stayed. READD_CHECK_AFTER
     # operations after the probe's grid point, every rank that re-added runs one
     # stage on the kept plane alone, and the split is judged against it.
-    from mpccs.control.controller import FIRST_PROBE_AFTER, READD_CHECK_AFTER, _RankState
+    from mpccs.control.controller import FIRST_PROBE_AFTER, READD_CHECK_AFTER, READD_CHECK_OPS, _RankState
     nbytes = 16 * MiB
     flows = one_flow(nbytes)
     info = {"settled": True, "measured": True, "pred_s": 0.136, "solo_planes": ("up", "out"), "best_single": "up"}
@@ -1380,18 +1380,55 @@ def test_a_readd_is_checked_against_a_fresh_solo_stage_and_dropped_when_the_spli
     assert drop["split_over_check"] == pytest.approx(0.135 / 0.142) and drop["keep"] == "up"
 
     ctrl, st = readded(grid=16)
-    ctrl._check_readd(st, 0, "up", nbytes, 0.150, k=20)  # 'up' alone is 10% slower: the split pays
+    check_ops = range(20, 20 + READD_CHECK_OPS)
+    for k in check_ops:  # 'up' alone is 10% slower: the split pays
+        if k > 20:
+            assert ctrl._mode(0, k, flows, ("up", "out"), epoch=k).kind == "check"
+        ctrl._check_readd(st, 0, "up", nbytes, 0.150, k=k)
     assert not st.dropped and st.readd_check_epoch is None
-    assert ctrl._mode(0, 21, flows, ("up", "out"), epoch=21).kind == "multipath"  # one check operation per re-add
+    after = check_ops[-1] + 1  # READD_CHECK_OPS check operations per re-add, then the split again
+    assert ctrl._mode(0, after, flows, ("up", "out"), epoch=after).kind == "multipath"
 
-    # Every stage of the check operation runs alone, judged by the fastest: a stalled first one
-    # (0.190 s) reads as a gain, the second (0.140 s) does not.
-    ctrl, st = readded()
-    ctrl._check_readd(st, 0, "up", nbytes, 0.190, k=8)
+    # Every stage of the check operations runs alone, judged by the fastest: a stalled first one
+    # (0.190 s) reads as a gain; the next stage, of the same operation or the next check
+    # operation (a ring's stages share one judged decision per operation), does not.
+    assert READD_CHECK_OPS >= 2
+    for next_stage_epoch in (8, 9):
+        ctrl, st = readded()
+        ctrl._check_readd(st, 0, "up", nbytes, 0.190, k=8)
+        assert not st.dropped
+        assert ctrl._mode(0, 9, flows, ("up", "out"), epoch=next_stage_epoch).kind == "check"
+        ctrl._epoch = next_stage_epoch
+        ctrl._check_readd(st, 0, "up", nbytes, 0.140, k=9)
+        assert st.dropped == {"out"}
+
+
+def test_a_readd_check_spans_operations_with_one_judged_stage_each():
+    # A 2-rank ring all_reduce reports one stage per operation (its stages share one
+    # decision): the check stage of the second check operation reaches the verdict
+    # through decide/on_stage when the first one was stalled.
+    from mpccs.control.controller import READD_CHECK_AFTER, _RankState
+    nbytes = 16 * MiB
+    flows = one_flow(nbytes)
+    ctrl = PathController(ControlConfig(), rank=0)
+    st = ctrl._states[0] = _RankState(dropped={"out"})
+    for k, t in enumerate((0.185, 0.165), start=2):
+        ctrl._record_solo(st, 0, "up", nbytes, t, 0.0, k=k)
+    grid = 4
+    assert ctrl._mode(0, grid, flows, ("up", "out"), epoch=grid).kind == "probe"
+    ctrl._resolve_probe(st, 0, {"plane": "out", "measured": True}, nbytes, 0.139, k=grid)
     assert not st.dropped
-    assert ctrl._mode(0, 9, flows, ("up", "out"), epoch=8).kind == "check"  # the operation's next stage
-    ctrl._check_readd(st, 0, "up", nbytes, 0.140, k=9)
+    st.joint.extend([(nbytes, 0.135)] * 3)
+    now = 10.0
+    for epoch, stage_s in ((grid + READD_CHECK_AFTER, 0.190), (grid + READD_CHECK_AFTER + 1, 0.140)):
+        d = ctrl.decide(flows, now, epoch=epoch)
+        assert d.reason["ranks"]["0"]["mode"] == "check" and d.up_bytes[0] == nbytes
+        assert not st.dropped  # the stalled first check (0.190 s) read as the split's gain
+        ctrl.on_stage(d, now, now + stage_s, {"up": nbytes, "out": 0}, received_by_plane={"up": nbytes, "out": 0})
+        now += 1.0
     assert st.dropped == {"out"}
+    drop, = [e for e in ctrl.take_events() if e["event"] == "drop"]
+    assert drop["check_s"] == [0.19, 0.14] and drop["epoch"] == grid + READD_CHECK_AFTER + 1
 
 
 def test_a_rank_that_followed_a_peers_readd_checks_it_in_the_same_operation():

@@ -88,9 +88,10 @@ def test_adaptive_finds_the_rate_ratio_and_beats_up(tcp_cluster):
 
 def test_shared_bottleneck_ends_on_one_plane():
     # The first probe (operation 4) may re-add 'out' on a noisy machine; the re-add's
-    # check (operation 8, READD_CHECK_AFTER) drops it again, and a rank whose own check
-    # was slow follows its peer's drop an operation later. 12 operations leave the last
-    # 4 after that; the next probe comes at 16.
+    # check (operations 8 and 9, READD_CHECK_AFTER and READD_CHECK_OPS) drops it again,
+    # and a rank whose own checks were slow follows its peer's drop an operation later.
+    # The median of the last 4 of 12 operations is on one plane even when that takes
+    # until operation 10; the next probe comes at 16.
     with Cluster(n=2, up="tcp", up_rate=UP_RATE, out_rate=OUT_RATE, shared_bottleneck=True,
                  log=lambda m: None) as cluster:
         run = cluster.run([sys.executable, JOB, "adaptive", str(32 << 20), "12"], timeout=300,

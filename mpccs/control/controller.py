@@ -192,6 +192,12 @@ SOLO_RECORDS_FOR_HARM = 2
 # joint stages after the re-add (129-146 ms) read 0.78x of the stale records, so
 # the plane that did not pay stayed in use (5 of 12 runs).
 READD_CHECK_AFTER = 4
+# The check runs for this many operations in a row. A ring's stages share one
+# decision per operation (CollectiveOp._plan_stage), so a 2-rank all_reduce
+# has one judged stage per operation: with one check operation, a CPU stall
+# in it on both ranks read as the split's gain, and both kept a split that
+# did not pay (2 runs of 24 under a bursty CPU hog).
+READD_CHECK_OPS = 2
 FIRST_PROBE_AFTER = 4  # decisions (epochs) before the first probe of a plane that starts dropped: the median of 3 solo stages is the reference, not a cold first one
 
 
@@ -226,8 +232,8 @@ class _RankState:
     probe_grid_epoch: Optional[int] = None  # the grid point of the last probe (its epoch, or the one before for a repeat)
     last_probe_stage: Optional[tuple] = None  # (bytes, s) of the last probe's stage (a re-add's check judges it)
     readd_check_epoch: Optional[int] = None  # a re-add is checked from this operation on (READD_CHECK_AFTER) ...
-    readd_check_op: Optional[int] = None  # ... in the first one that has a judgeable stage: all its stages run solo
-    readd_checks: list = field(default_factory=list)  # (bytes, s) of that operation's check stages so far
+    readd_check_op: Optional[int] = None  # ... from the first one that has a judgeable stage: READD_CHECK_OPS run solo
+    readd_checks: list = field(default_factory=list)  # (bytes, s) of the check operations' stages so far
     readd_keep: Optional[str] = None  # the plane kept while the re-added one was dropped: the check runs on it
     unused_stages: int = 0  # consecutive multipath stages that gave a usable plane nothing
     checks: int = 0
@@ -438,7 +444,7 @@ class PathController:
             return _Mode("multipath", dropped=dropped)
         if self._readd_check_due(st, epoch):
             st.readd_check_epoch, st.readd_check_op, st.readd_checks = None, epoch, []
-        if st.readd_check_op is not None and epoch == st.readd_check_op and not st.dropped:
+        if self._in_readd_check(st, epoch) and not st.dropped:
             st.pending_check = st.readd_keep or solo_planes[0]
         if st.pending_check is not None:
             plane, st.pending_check = st.pending_check, None
@@ -460,11 +466,18 @@ class PathController:
 
     @staticmethod
     def _readd_check_due(st: "_RankState", epoch: Optional[int]) -> bool:
-        """A re-add's check operation begins here (READD_CHECK_AFTER): the plane is still
+        """A re-add's check operations begin here (READD_CHECK_AFTER): the plane is still
         in use and this is the first operation with a judgeable stage from the check's
-        epoch on; every judgeable stage of it then runs alone (_mode)."""
+        epoch on; every judgeable stage of it and the next READD_CHECK_OPS - 1 then runs
+        alone (_mode)."""
         return (st.readd_check_epoch is not None and epoch is not None and epoch >= st.readd_check_epoch
                 and not st.dropped)
+
+    @staticmethod
+    def _in_readd_check(st: "_RankState", epoch: Optional[int]) -> bool:
+        """Operation ``epoch`` is one of a re-add's READD_CHECK_OPS check operations."""
+        return (st.readd_check_op is not None and epoch is not None
+                and st.readd_check_op <= epoch < st.readd_check_op + READD_CHECK_OPS)
 
     def _probe_due(self, st: "_RankState", k: int, epoch: Optional[int]) -> bool:
         if epoch is None:
@@ -806,7 +819,7 @@ class PathController:
                 est = info["est"][used[0]]
                 self._record_solo(st, src, used[0], nbytes, duration, est["latency_s"], k, est, t_end)
             if info["mode"] == "check" and alone:
-                if st.readd_check_op is not None and self._epoch == st.readd_check_op:
+                if self._in_readd_check(st, self._epoch):
                     self._check_readd(st, src, used[0], nbytes, duration, k)
                 else:
                     self._resolve_check(st, src, used[0], k)
@@ -987,18 +1000,18 @@ class PathController:
             self._drop(st, src, keep=plane, k=k, evidence=self._joint_evidence(st, ratio))
 
     def _check_readd(self, st, src, plane, nbytes, duration, k) -> None:
-        """A re-add's check (READD_CHECK_AFTER), after each of the check operation's
-        stages: the re-adding probe's stage and the joint stages judged since,
+        """A re-add's check (READD_CHECK_AFTER), after each stage of the check
+        operations (READD_CHECK_OPS): the re-adding probe's stage and the joint stages judged since,
         against the fastest check stage so far on ``plane`` alone, not against the
         records the probe was judged by. The split must still beat it by
         ``readd_margin``, what the re-add asked of the probe, or the plane is
         dropped again. Stage times, not records: every rank that re-added checks
         in this operation, so no peer's split ends a check stage early (what the
         record's cap is for), and capped, a 141 ms check read 151 ms. The fastest
-        of the operation's stages: a CPU stall only slows a stage, and with one
-        check stage each, both ranks of a shared-bottleneck testbed run read
-        their stalled check as a gain and kept the split (2 runs of 24 under a
-        CPU hog)."""
+        of the check stages: a CPU stall only slows a stage, and with one check
+        stage each, both ranks of a shared-bottleneck testbed run read their
+        stalled check as a gain and kept the split (2 runs of 24 under a CPU
+        hog)."""
         st.readd_checks.append((nbytes, duration))
         best_rate = max(n / d for n, d in st.readd_checks)
         # the re-adding probe's stage: no probe runs while the plane is in use, so it is the last one
