@@ -1165,7 +1165,7 @@ def test_a_probe_planned_from_the_prior_is_repeated_on_what_it_measured_not_back
     # both ranks (each waits for the other). Judged as harm, that backed both
     # ranks off and 'out' never came back in the cell; repeated on the rates the
     # probe measured, both ranks find the gain and re-add it.
-    from mpccs.control.controller import FIRST_PROBE_AFTER, READD_CHECK_AFTER
+    from mpccs.control.controller import FIRST_PROBE_AFTER, READD_CHECK_AFTER, READD_CHECK_OPS
     up, out = SyntheticLink(125e6, 100e-6), SyntheticLink(62.5e6, 100e-6)
     planes = SyntheticPlanes.uniform([0, 1], up, out, seed=5, links={(1, "out", 0): SyntheticLink(31e6, 100e-6)})
     flows = ring_flows(2, 8 * MiB)
@@ -1189,11 +1189,12 @@ def test_a_probe_planned_from_the_prior_is_repeated_on_what_it_measured_not_back
     assert len(probes) == 2 and events == ["readd", "readd"]
     solo = statistics.median(sum(times[e]) for e in range(1, FIRST_PROBE_AFTER))
     assert sum(times[FIRST_PROBE_AFTER]) > 1.1 * solo  # the first probe did hurt
-    # Both ranks check the re-add on 'up' alone in one operation, both its stages (every rank that
-    # re-added from the probe at grid point 4, the repeat's included), and the split survives the check.
-    check_epoch = FIRST_PROBE_AFTER + READD_CHECK_AFTER
-    assert checks == [(check_epoch, "check", "check")] * 2
-    later = [sum(times[e]) for e in range(FIRST_PROBE_AFTER + 2, 3 * cfg.probe_every) if e != check_epoch]
+    # Both ranks check the re-add on 'up' alone in the same READD_CHECK_OPS operations, both stages of
+    # each (every rank that re-added from the probe at grid point 4, the repeat's included), and the
+    # split survives the check.
+    check_epochs = range(FIRST_PROBE_AFTER + READD_CHECK_AFTER, FIRST_PROBE_AFTER + READD_CHECK_AFTER + READD_CHECK_OPS)
+    assert checks == [(e, "check", "check") for e in check_epochs for _ in range(2)]
+    later = [sum(times[e]) for e in range(FIRST_PROBE_AFTER + 2, 3 * cfg.probe_every) if e not in check_epochs]
     assert max(later) < 0.9 * solo  # and both planes stay in use, ~0.8x of 'up' alone
     for c in ctls:
         assert not c.snapshot()["ranks"][str(c.rank)]["dropped"]
