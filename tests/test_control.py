@@ -1432,6 +1432,20 @@ def test_a_readd_check_spans_operations_with_one_judged_stage_each():
     assert drop["check_s"] == [0.19, 0.14] and drop["epoch"] == grid + READD_CHECK_AFTER + 1
 
 
+def test_a_readd_check_judges_each_size_by_check_stages_of_that_size():
+    # A sweep may step from 16 to 64 MiB between the two check operations: the 64 MiB check
+    # stage's higher rate (fixed costs spread thinner) must not stand for 16 MiB alone.
+    from mpccs.control.controller import _RankState
+    ctrl = PathController(ControlConfig(), rank=0)
+    small, large = 16 * MiB, 64 * MiB
+    st = ctrl._states[0] = _RankState(last_probe_stage=(small, 0.135))
+    st.joint.extend([(small, 0.135)] * 2)
+    ctrl._check_readd(st, 0, "up", large, 0.45, k=8)  # 149 MB/s: 16 MiB in 0.113 s at that rate
+    assert not st.dropped  # no 64 MiB split to judge, and the rate says nothing of 16 MiB
+    ctrl._check_readd(st, 0, "up", small, 0.150, k=9)  # 'up' alone at 16 MiB: the split beats it by 10%
+    assert not st.dropped
+
+
 def test_a_rank_that_followed_a_peers_readd_checks_it_in_the_same_operation():
     # The re-adder's probe may be the grid point's repeat, and the follower hears of
     # it an operation or two late: both check READD_CHECK_AFTER after the grid point.

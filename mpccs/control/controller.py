@@ -1013,7 +1013,9 @@ class PathController:
         stalled check as a gain and kept the split (2 runs of 24 under a CPU
         hog)."""
         st.readd_checks.append((nbytes, duration))
-        best_rate = max(n / d for n, d in st.readd_checks)
+        # of this stage's size: the two check operations may run other sizes (a sweep's step),
+        # and a larger stage's rate, its fixed costs spread thinner, would read any split as no gain
+        best_rate = max(n / d for n, d in st.readd_checks if _comparable(nbytes, n))
         # the re-adding probe's stage: no probe runs while the plane is in use, so it is the last one
         stages = ([st.last_probe_stage] if st.last_probe_stage is not None else []) + list(st.joint)
         ratios = [d / (n / best_rate) for n, d in stages if _comparable(nbytes, n)]
