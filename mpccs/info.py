@@ -6,8 +6,30 @@ Run it alone for this process's view, or under a launcher
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import sys
+
+
+def code_identity() -> dict:
+    """Where this process imported mpccs from, and a hash of its sources there.
+
+    What a benchmark's ranks ran, in its results: an A/B run that puts another
+    checkout on PYTHONPATH runs it only where the working directory holds no
+    ``mpccs/`` (``python -m`` and ``-c`` look in the working directory first;
+    from the repository's root both arms import the checkout itself)."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256()
+    for folder, subfolders, files in os.walk(root):
+        subfolders.sort()
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                digest.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as fh:
+                    digest.update(fh.read())
+    return {"path": root, "sources": digest.hexdigest()[:12]}
 
 
 def collect(comm) -> dict:

@@ -25,6 +25,7 @@ import numpy as np
 
 from .config import parse_policy, parse_size
 from .errors import ConfigError
+from .info import code_identity
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce")
 DTYPE_ALIASES = {
@@ -470,6 +471,12 @@ def make_row(comm, case, ns, policy, times, shares, stats, wrong) -> dict:
     }
 
 
+def code_line() -> str:
+    """Which mpccs this rank imported (info.code_identity): an A/B run shows each arm's code."""
+    code = code_identity()
+    return f"# code: {code['path']} (sources {code['sources']})"
+
+
 def header(comm, ns, policies, speed: dict | None = None) -> str:
     from . import __version__
     from .transports.ucx import ucx_version
@@ -483,6 +490,7 @@ def header(comm, ns, policies, speed: dict | None = None) -> str:
         f"# planes: {planes}; buffers in {_memory_text(comm, ns.memory)}",
         f"# iters {ns.iters} warmup {ns.warmup_iters}; time = median over iterations of the slowest rank (us); GB/s = 1e9 B/s",
         f"# policies: {', '.join(policy_label(p) for p in policies)}",
+        code_line(),
         host_speed_line(speed),
         "#",
         cols,
@@ -527,7 +535,7 @@ def environment(comm, ns) -> dict:
         "mpccs": __version__, "ucxx": ucxx_version(), "ucx": ucx_version(), "numpy": np.__version__,
         "python": platform.python_version(), "kernel": platform.release(), "cpu": platform.processor() or platform.machine(),
         "nranks": comm.size, "args": vars(ns), "planes": {n: {"tls": p.tls, "devices": p.devices} for n, p in comm._planes.items()},
-        "domains": comm.domains, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "domains": comm.domains, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "code": code_identity(),
     }
 
 

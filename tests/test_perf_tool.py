@@ -36,6 +36,10 @@ def test_table_json_and_no_wrong_elements(tmp_path, collective):
     speed = data["meta"]["host_speed"]
     assert speed["python_loop_ns"] > 0 and speed["copy_GBps"] > 0
     assert f"# host: python loop {speed['python_loop_ns']:.1f} ns/iteration" in p.stdout
+    # which mpccs the ranks imported: this test's own (an A/B run checks its arms by it)
+    from mpccs.info import code_identity
+    assert data["meta"]["code"] == code_identity()
+    assert f"# code: {code_identity()['path']} (sources {code_identity()['sources']})" in p.stdout
     for row in data["rows"]:
         assert {"collective", "size", "count", "type", "redop", "root", "policy", "time_us", "algbw", "busbw",
                 "wrong", "up_share", "algorithm", "channels", "times_us", "steal"} <= set(row)
