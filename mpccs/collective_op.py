@@ -789,7 +789,7 @@ class CollectiveOp(Operation):
         return nbytes
 
     def _retire_stages(self) -> bool:
-        moved = False
+        retired = []
         for run in list(self.active):
             if not run.done:
                 continue
@@ -798,20 +798,37 @@ class CollectiveOp(Operation):
             self._log_stage(run)
             if run.plan is not None and run.plan.cache_key is not None and self.splitter.cache is not None:
                 self.splitter.cache.note_stage_time(run.plan.cache_key, run.t_end - run.t_start)
-            if self.engine.controller is not None and self.splitter.policy == "adaptive":
-                # Only stages the controller planned teach it: samples from
-                # fixed-policy operations (a benchmark interleaving 'out' or
-                # 0.8 with 'adaptive') describe splits it did not choose and
-                # upset its solo/joint bookkeeping.
-                probing = _probing(run.plan, self.rank)
-                for plane, sender, nbytes, t_first, t_last in run.delivery_samples():
-                    self.engine.controller.on_delivery(plane, sender, nbytes, t_first, t_last, probe=probing)
-            if self.engine.controller is not None and run.plan is not None and "decision" in run.plan.reason:
-                self.engine.controller.on_stage(run.plan.reason["decision"], run.t_start, run.t_end,
-                                                dict(run.bytes_by_plane), received_by_plane=run.received_by_plane())
             self._stage_complete(run.stage.id)
-            moved = True
-        return moved
+            retired.append(run)
+        if not retired:
+            return False
+        # The stages these made ready start, and post their first chunks, before
+        # the controller hears of the retired ones: its feedback (~0.25 ms of
+        # Python a stage on a slow host) sat between two stages on every rank,
+        # so on the peer's critical path too. A later stage with another demand
+        # is then planned without the retired stage's samples (one stage late).
+        if self._start_ready_stages():
+            self._post_sends()
+        for run in retired:
+            self._teach_controller(run)
+        return True
+
+    def _teach_controller(self, run: StageRun) -> None:
+        """A retired stage's delivery samples and realised time, to the controller."""
+        controller = self.engine.controller
+        if controller is None:
+            return
+        if self.splitter.policy == "adaptive":
+            # Only stages the controller planned teach it: samples from
+            # fixed-policy operations (a benchmark interleaving 'out' or
+            # 0.8 with 'adaptive') describe splits it did not choose and
+            # upset its solo/joint bookkeeping.
+            probing = _probing(run.plan, self.rank)
+            for plane, sender, nbytes, t_first, t_last in run.delivery_samples():
+                controller.on_delivery(plane, sender, nbytes, t_first, t_last, probe=probing)
+        if run.plan is not None and "decision" in run.plan.reason:
+            controller.on_stage(run.plan.reason["decision"], run.t_start, run.t_end,
+                                dict(run.bytes_by_plane), received_by_plane=run.received_by_plane())
 
     def _log_stage(self, run: StageRun) -> None:
         reason = {} if run.plan is None else {k: v for k, v in run.plan.reason.items() if k != "decision"}
