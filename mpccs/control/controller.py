@@ -1006,7 +1006,7 @@ class PathController:
         records the probe was judged by. The split must still beat it by
         ``readd_margin``, what the re-add asked of the probe, or the plane is
         dropped again. Stage times, not records: every rank that re-added checks
-        in this operation, so no peer's split ends a check stage early (what the
+        in these operations, so no peer's split ends a check stage early (what the
         record's cap is for), and capped, a 141 ms check read 151 ms. The fastest
         of the check stages: a CPU stall only slows a stage, and with one check
         stage each, both ranks of a shared-bottleneck testbed run read their
