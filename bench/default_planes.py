@@ -18,7 +18,7 @@ import time
 
 
 sys.path.insert(0, os.path.dirname(__file__))
-from stats import holds, noise_floor, ratio_ci  # noqa: E402
+from stats import code_text, holds, noise_floor, ratio_ci  # noqa: E402
 
 from mpccs.perf import host_speed_text  # noqa: E402
 
@@ -75,6 +75,8 @@ def report(out: str) -> str:
         "point ran (/proc/stat; the peers' points are not covered).",
         "",
         _host_text(perf["meta"].get("host_speed")),
+        "",
+        code_text({"mpccs": perf["meta"].get("code")}),
         "",
         settle_text(perf["meta"].get("settle")),
         "",

@@ -39,6 +39,19 @@ def holds(ratio: tuple[float, float, float], target: float, noise_floor: float) 
     return ratio[1] - noise_floor >= target
 
 
+def code_text(codes: dict) -> str:
+    """Which mpccs each run's ranks imported (mpccs-perf's meta.code), for a report: one line,
+    the runs that share a code together (docs/benchmarks.md, method 10)."""
+    by_code: dict = {}
+    for run, code in codes.items():
+        if code:
+            by_code.setdefault((code["path"], code["sources"]), []).append(run)
+    if not by_code:
+        return "Code: not recorded."
+    parts = [f"{path} (sources {sources}): {', '.join(runs)}" for (path, sources), runs in by_code.items()]
+    return "Code the ranks imported (mpccs-perf's `# code:`): " + "; ".join(parts) + "."
+
+
 def noise_floor(times_a, times_a2) -> float:
     """Half-width of the A/A ratio's interval around 1 (how far identical runs stray)."""
     point, lo, hi = ratio_ci(times_a, times_a2, paired=True)

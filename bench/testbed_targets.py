@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from stats import holds, noise_floor, ratio_ci  # noqa: E402
+from stats import code_text, holds, noise_floor, ratio_ci  # noqa: E402
 
 from mpccs.perf import host_speed_text  # noqa: E402
 from mpccs.testbed import Cluster  # noqa: E402
@@ -62,6 +62,7 @@ def verdicts(data: dict) -> list[dict]:
                     for p in ("up", "out", "adaptive")}, "share_up": ad["up_share"], "floor": floor,
                     "vs_up": vs_up, "vs_sum": vs_sum, "steal": ad.get("steal"),
                     "host_speed": data.get("meta", {}).get("host_speed"), "settle": data.get("meta", {}).get("settle"),
+                    "code": data.get("meta", {}).get("code"),
                     "holds_up": holds(vs_up, 1.35, floor), "holds_sum": holds(vs_sum, 0.90, floor)})
     return out
 
@@ -101,6 +102,8 @@ def render(results: list[dict], meta: dict) -> str:
         "came in slow spells where it rose, and every column with it.",
         "",
         _host_text(results),
+        "",
+        code_text({r["collective"]: r.get("code") for r in results}),
         "",
         _settle_text(results),
         "",

@@ -150,13 +150,15 @@ def test_testbed_targets_report_gives_ratios_to_the_sum_and_up_and_the_stolen_cp
     data = {"rows": [row("up", [30.0] * 10), row("up#2", [30.0] * 10), row("out", [60.0] * 10),
                      row("adaptive", [20.0] * 10)],
             "meta": {"host_speed": {"python_loop_ns": 61.5, "copy_GBps": 8.25},
-                     "settle": {"size": 16 * mib, "ops": 12, "adaptive_s": 0.6, "up_s": 0.75}}}
+                     "settle": {"size": 16 * mib, "ops": 12, "adaptive_s": 0.6, "up_s": 0.75},
+                     "code": {"path": "/tmp/old/mpccs", "sources": "0123456789ab"}}}
     (verdict,) = targets.verdicts(data)
     assert verdict["vs_up"][0] == pytest.approx(1.5) and verdict["vs_sum"][0] == pytest.approx(1.0)
     assert verdict["holds_up"] and verdict["holds_sum"] and verdict["steal"] == 0.12
     text = targets.render([verdict], {"up_rate": "2.4gbit", "out_rate": "1.2gbit", "iters": 10, "time": "now"})
     assert "all_gather: python loop 61.5 ns/iteration, 8 MiB copy 8.25 GB/s" in text
     assert "12 operations of 16 MiB" in text and "all_gather 0.80x (600 / 750 ms)" in text
+    assert "imported (mpccs-perf's `# code:`): /tmp/old/mpccs (sources 0123456789ab): all_gather." in text
     cells = table_rows(text.replace("| all_gather | ", "| "))["16 MiB"]
     assert cells[4:] == ["1.00 [1.00, 1.00]", "1.50 [1.50, 1.50]", "0.000", "12%", "holds", "holds"]
 
@@ -174,3 +176,12 @@ def test_host_speed_measures_a_python_loop_and_a_copy():
     assert 0 < speed["python_loop_ns"] < 1e4 and 0 < speed["copy_GBps"] < 1e4
     assert host_speed_line(speed).startswith(f"# host: python loop {speed['python_loop_ns']:.1f} ns/iteration, ")
     assert host_speed_line(None) == "# host: not measured"
+
+
+def test_code_text_groups_the_runs_by_the_code_their_ranks_imported():
+    stats = load("stats")
+    old, new = {"path": "/tmp/old/mpccs", "sources": "aaaaaaaaaaaa"}, {"path": "/w/mpccs", "sources": "bbbbbbbbbbbb"}
+    text = stats.code_text({"all_reduce": new, "reduce_scatter": old, "all_gather": new, "all_to_all": None})
+    assert text == ("Code the ranks imported (mpccs-perf's `# code:`): /w/mpccs (sources bbbbbbbbbbbb): all_reduce, "
+                    "all_gather; /tmp/old/mpccs (sources aaaaaaaaaaaa): reduce_scatter.")
+    assert stats.code_text({"mpccs": None}) == "Code: not recorded."
