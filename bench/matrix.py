@@ -211,17 +211,9 @@ class LineLog:
 def library_state() -> dict:
     """Which library code a run used: a hash of every mpccs/*.py, the commit, and the files that
     differ from it (the engine is being changed by others while benchmarks run)."""
-    import hashlib
+    from mpccs.info import sources_digest
 
     root = os.path.dirname(HERE)
-    h = hashlib.sha256()
-    for d, _, files in sorted(os.walk(os.path.join(root, "mpccs"))):
-        for f in sorted(files):
-            if f.endswith(".py"):
-                path = os.path.join(d, f)
-                h.update(os.path.relpath(path, root).encode())
-                with open(path, "rb") as fh:
-                    h.update(fh.read())
 
     def git(*args):
         try:
@@ -229,7 +221,7 @@ def library_state() -> dict:
         except (OSError, subprocess.SubprocessError):
             return None
     status = git("status", "--porcelain", "--", "mpccs")
-    return {"hash": h.hexdigest()[:12], "commit": git("rev-parse", "--short", "HEAD"),
+    return {"hash": sources_digest(os.path.join(root, "mpccs"), root), "commit": git("rev-parse", "--short", "HEAD"),
             "modified": status.split("\n") if status else []}
 
 

@@ -6,30 +6,39 @@ Run it alone for this process's view, or under a launcher
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
 import sys
 
 
+def sources_digest(package: str, names_from: str) -> str:
+    """sha256 (12 hex digits) over every .py file below ``package``, each file's path
+    relative to ``names_from`` and its bytes, in a fixed order."""
+    digest = hashlib.sha256()
+    for folder, subfolders, files in sorted(os.walk(package)):
+        subfolders.sort()
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                digest.update(os.path.relpath(path, names_from).encode())
+                with open(path, "rb") as fh:
+                    digest.update(fh.read())
+    return digest.hexdigest()[:12]
+
+
+@functools.lru_cache(maxsize=1)
 def code_identity() -> dict:
-    """Where this process imported mpccs from, and a hash of its sources there.
+    """Where this process imported mpccs from, and a hash of its sources there
+    (once per process: the code it imported).
 
     What a benchmark's ranks ran, in its results: an A/B run that puts another
     checkout on PYTHONPATH runs it only where the working directory holds no
     ``mpccs/`` (``python -m`` and ``-c`` look in the working directory first;
     from the repository's root both arms import the checkout itself)."""
     root = os.path.dirname(os.path.abspath(__file__))
-    digest = hashlib.sha256()
-    for folder, subfolders, files in os.walk(root):
-        subfolders.sort()
-        for name in sorted(files):
-            if name.endswith(".py"):
-                path = os.path.join(folder, name)
-                digest.update(os.path.relpath(path, root).encode())
-                with open(path, "rb") as fh:
-                    digest.update(fh.read())
-    return {"path": root, "sources": digest.hexdigest()[:12]}
+    return {"path": root, "sources": sources_digest(root, root)}
 
 
 def collect(comm) -> dict:
