@@ -274,7 +274,8 @@ class PathEstimator:
         2.5 MiB samples read 98-119 MB/s, the 2 MiB ones after it 134-196, and
         the rule planned 'out' at 119 for the 2 s they stayed fresh: the 16 MiB
         all_reduce split 0.75 on 'up' instead of 0.69 for ~50 operations."""
-        fresh = [x for x in self._clean_delays if now - x[0] <= self.max_age_s and x[0] not in self._no_size_evidence]
+        probes = set(self._no_size_evidence)
+        fresh = [x for x in self._clean_delays if now - x[0] <= self.max_age_s and x[0] not in probes]
         if not _superlinear(fresh):
             return
         a = self._fit_delay(fresh)
