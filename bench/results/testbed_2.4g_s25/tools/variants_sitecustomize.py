@@ -20,58 +20,39 @@ if exp:
                 c = max(65536, c // 2)
             return c, w
         cls._chunking_for = ch
-if exp.startswith("post"):
-    import mpccs.collective_op as CO
+
+def capped_post_sends(self, cap):
+    """CollectiveOp._post_sends posting at most ``cap`` chunks per plane in one pass."""
     from mpccs.windows import UP, OUT
-    K = int(exp[4:])
-    def _post_sends(self):
-        lanes = []
-        for name in (UP, OUT):
-            limit = self.window.get(name, 0)
-            if name in self.engine.planes and self.inflight[name] < limit:
-                lanes.append([name, self.engine.planes[name], limit, 0])
-        if not lanes:
-            return False
-        flows = [(run, outflow) for run in self.active for outflow in run.outs]
-        moved = False
-        posted = {l[0]: 0 for l in lanes}
-        while lanes:
-            for lane in list(lanes):
-                if posted[lane[0]] < K and self._post_next(lane, flows):
-                    moved = True
-                    posted[lane[0]] += 1
-                else:
-                    lanes.remove(lane)
-        return moved
-    CO.CollectiveOp._post_sends = _post_sends
-if exp.startswith("alt"):
+    lanes = []
+    for name in (UP, OUT):
+        limit = self.window.get(name, 0)
+        if name in self.engine.planes and self.inflight[name] < limit:
+            lanes.append([name, self.engine.planes[name], limit, 0])
+    if not lanes:
+        return False
+    flows = [(run, outflow) for run in self.active for outflow in run.outs]
+    moved = False
+    posted = {lane[0]: 0 for lane in lanes}
+    while lanes:
+        for lane in list(lanes):
+            if posted[lane[0]] < cap and self._post_next(lane, flows):
+                moved = True
+                posted[lane[0]] += 1
+            else:
+                lanes.remove(lane)
+    return moved
+
+
+if exp.startswith("post"):  # postK: every operation capped at K
+    import mpccs.collective_op as CO
+    CO.CollectiveOp._post_sends = lambda self, _k=int(exp[4:]): capped_post_sends(self, _k)
+if exp.startswith("alt"):  # altK: odd operations capped at K, even ones as shipped (alt_summ.py pairs them)
     import sys, time
     import mpccs.collective_op as CO
-    from mpccs.windows import UP, OUT
     K = int(exp[3:])
     orig_ps = CO.CollectiveOp._post_sends
-    def _post_sends(self):
-        if not (self.epoch or 0) % 2:
-            return orig_ps(self)
-        lanes = []
-        for name in (UP, OUT):
-            limit = self.window.get(name, 0)
-            if name in self.engine.planes and self.inflight[name] < limit:
-                lanes.append([name, self.engine.planes[name], limit, 0])
-        if not lanes:
-            return False
-        flows = [(run, outflow) for run in self.active for outflow in run.outs]
-        moved = False
-        posted = {l[0]: 0 for l in lanes}
-        while lanes:
-            for lane in list(lanes):
-                if posted[lane[0]] < K and self._post_next(lane, flows):
-                    moved = True
-                    posted[lane[0]] += 1
-                else:
-                    lanes.remove(lane)
-        return moved
-    CO.CollectiveOp._post_sends = _post_sends
+    CO.CollectiveOp._post_sends = lambda self: capped_post_sends(self, K) if (self.epoch or 0) % 2 else orig_ps(self)
     orig_prep = CO.CollectiveOp._prepare
     def prep(self):
         self._t0x = time.perf_counter(); return orig_prep(self)
