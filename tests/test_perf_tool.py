@@ -106,6 +106,35 @@ def test_check_counts_wrong_elements_against_a_reference():
     assert case.wrong() == 7
 
 
+def test_in_place_input_is_put_back_before_the_timed_call_not_inside_it():
+    """nccl-tests leaves its copies out of the time: the timed call of an in-place
+    all_reduce (or a broadcast) runs on the buffer as prepare() left it."""
+    import numpy as np
+
+    from mpccs.perf import Case
+
+    class Doubling:  # one rank whose all_reduce doubles in place: shows what the call ran on
+        size, rank = 1, 0
+
+        def all_reduce(self, x, out=None, op="sum"):
+            x *= 2
+
+        def broadcast(self, x, root=0):
+            pass
+
+    for collective in ("all_reduce", "broadcast"):
+        case = Case(Doubling(), collective, 4096, np.dtype("float32"), "sum", 0, in_place=True)
+        case.recv[...] = 7
+        case.run()
+        expected_after_run = 14 if collective == "all_reduce" else 7
+        assert np.all(case.recv == expected_after_run)  # no copy of the input inside the timed call
+        case.prepare()
+        assert np.array_equal(case.recv, case.original)
+        case.run()
+        if collective == "all_reduce":
+            assert np.array_equal(case.recv, 2 * case.original)
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -122,6 +151,21 @@ def test_mpi_peer_rows_share_the_perf_schema(tmp_path):
     for row in data["rows"]:
         assert row["policy"] == "mpi" and row["time_us"] > 0 and len(row["times_us"]) == 3
         assert row["busbw"] == pytest.approx(row["algbw"] * 2 * (2 - 1) / 2)
+        assert row["wrong"] == 0 and row["in_place"] is False  # out of place, like mpccs-perf's default
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "mpiexec")), reason="pip mpich (the 'mpi' extra) is not installed")
+def test_mpi_peer_in_place_is_checked_and_labelled(tmp_path):
+    out = tmp_path / "mpi.json"
+    p = subprocess.run([os.path.join(BIN, "mpiexec"), "-n", "2", sys.executable, os.path.join(ROOT, "bench", "peers.py"),
+                        "mpi", "-b", "4K", "-e", "1M", "-f", "256", "-n", "3", "-w", "1", "--in-place", "-J", str(out)],
+                       env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    data = json.loads(out.read_text())
+    assert data["meta"]["in_place"] is True
+    # Four in-place sums of ones: without the input put back before each they would read 2**4, and count as wrong.
+    assert [(r["size"], r["wrong"], r["in_place"]) for r in data["rows"]] == [(4096, 0, True), (1 << 20, 0, True)]
+    assert "#wrong 0" in p.stdout
 
 
 def test_gloo_peer_rows_share_the_perf_schema(tmp_path):
@@ -133,7 +177,7 @@ def test_gloo_peer_rows_share_the_perf_schema(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     data = json.loads(out.read_text())
     assert "gloo" in data["meta"]["peer"]
-    assert [r["policy"] for r in data["rows"]] == ["gloo", "gloo"]
+    assert [(r["policy"], r["wrong"], r["in_place"]) for r in data["rows"]] == [("gloo", 0, False)] * 2
 
 
 def test_device_memory_without_a_gpu_is_refused_before_any_rank_starts(capsys):
