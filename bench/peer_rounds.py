@@ -15,6 +15,13 @@ before its sweep, --settle 40, as every sweep does: docs/benchmarks.md, Method).
 The report gives, per size, the median of the rounds' ratios with their range
 and the share of rounds at >= 1.0x, next to each library's median time. Writes
 rounds.json and report.md.
+
+Each round times both calls, each library against its own kind: out of place
+(mpccs-perf's and nccl-tests' default; MPICH's Allreduce(send, recv)) and in
+place (--in-place; MPI_IN_PLACE), the input put back outside the timed call in
+both tools. Until the twenty-sixth session the MPICH side ran in place and
+mpccs out of place: at 8 MiB MPICH's own two calls differ 1.6-1.9x, which that
+comparison charged to mpccs.
 """
 from __future__ import annotations
 
@@ -44,24 +51,41 @@ def times_us(path: str) -> dict[int, float]:
         return {r["size"]: r["time_us"] for r in json.load(fh)["rows"]}
 
 
-def one_round(k: int, lo: str, hi: str, iters: str, tmp: str) -> dict:
-    perf = [f"{BIN}/mpccs-run", "-n", "2", "--no-prefix", f"{BIN}/mpccs-perf", "all_reduce", "-b", lo, "-e", hi,
-            "-f", "2", "-n", iters, "-w", "5", "--settle", "40", "--quiet", "-J", f"{tmp}/perf{k}.json"]
-    mpi = [f"{BIN}/mpiexec", "-n", "2", sys.executable, "bench/peers.py", "mpi", "-b", lo, "-e", hi, "-f", "2",
-           "-n", iters, "-w", "5", "-J", f"{tmp}/mpi{k}.json"]
-    for cmd in ((perf, mpi) if k % 2 == 0 else (mpi, perf)):
-        run(cmd, 600)
-    return {"mpccs_us": times_us(f"{tmp}/perf{k}.json"), "mpi_us": times_us(f"{tmp}/mpi{k}.json")}
+MODES = {"out": "out of place", "in": "in place"}
+
+
+def one_round(k: int, lo: str, hi: str, iters: str, tmp: str, modes: list[str]) -> dict:
+    """One round: per mode, mpccs-perf and MPICH back to back (the order alternating by round)."""
+    result = {}
+    for mode in modes:
+        flag = ["--in-place"] if mode == "in" else []
+        perf = [f"{BIN}/mpccs-run", "-n", "2", "--no-prefix", f"{BIN}/mpccs-perf", "all_reduce", "-b", lo, "-e", hi,
+                "-f", "2", "-n", iters, "-w", "5", "--settle", "40", "--quiet", "-J", f"{tmp}/perf{k}{mode}.json",
+                *flag]
+        mpi = [f"{BIN}/mpiexec", "-n", "2", sys.executable, "bench/peers.py", "mpi", "-b", lo, "-e", hi, "-f", "2",
+               "-n", iters, "-w", "5", "-J", f"{tmp}/mpi{k}{mode}.json", *flag]
+        for cmd in ((perf, mpi) if k % 2 == 0 else (mpi, perf)):
+            run(cmd, 600)
+        result[mode] = {"mpccs_us": times_us(f"{tmp}/perf{k}{mode}.json"), "mpi_us": times_us(f"{tmp}/mpi{k}{mode}.json")}
+    return result
 
 
 def report(rounds: list[dict], meta: dict) -> str:
-    sizes = sorted(rounds[0]["mpccs_us"])
     lines = ["# mpccs ('adaptive', as shipped) against MPICH, alternating rounds", "",
              f"{meta['rounds']} rounds, 2 ranks, default planes, float32 all_reduce, {meta['iters']} iterations per "
              f"point (mpccs: the controller's start-up before the sweep, `--settle 40`); {meta['host']}; measured "
              f"{meta['time']}.", "",
-             "Per round: MPICH's median time / mpccs's (> 1: mpccs faster). Per size: the median of the rounds' "
-             "ratios, their range, the rounds at >= 1.0x, and each library's median time over all rounds.", "",
+             "Per round: MPICH's median time / mpccs's (> 1: mpccs faster), each library's out-of-place call against "
+             "the other's and in-place against in-place. Per size: the median of the rounds' ratios, their range, "
+             "the rounds at >= 1.0x, and each library's median time over all rounds.", ""]
+    for mode in meta["modes"]:
+        lines += _mode_table(mode, [r[mode] for r in rounds])
+    return "\n".join(lines)
+
+
+def _mode_table(mode: str, rounds: list[dict]) -> list[str]:
+    sizes = sorted(rounds[0]["mpccs_us"])
+    lines = [f"## {MODES[mode]}", "",
              "| size | mpccs (us) | MPICH (us) | ratio, median of rounds | range | rounds >= 1.0x |",
              "|---:|---:|---:|---:|---:|---:|"]
     for s in sizes:
@@ -71,7 +95,7 @@ def report(rounds: list[dict], meta: dict) -> str:
         wins = sum(x >= 1.0 for x in ratios)
         lines.append(f"| {s >> 20} MiB | {np.median(ours):.0f} | {np.median(theirs):.0f} | {np.median(ratios):.2f} | "
                      f"{min(ratios):.2f}-{max(ratios):.2f} | {wins}/{len(ratios)} |")
-    return "\n".join(lines) + "\n"
+    return lines + [""]
 
 
 def main() -> None:
@@ -81,18 +105,23 @@ def main() -> None:
     ap.add_argument("--min", default="1M")
     ap.add_argument("--max", default="16M")
     ap.add_argument("--iters", default="20")
+    ap.add_argument("--modes", default="out,in", help="out (of place), in (place), or both: out,in")
     args = ap.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - set(MODES):
+        ap.error(f"--modes: a comma-separated list of {', '.join(MODES)}")
     os.makedirs(args.out, exist_ok=True)
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(args.rounds):
-            rounds.append(one_round(k, args.min, args.max, args.iters, tmp))
+            rounds.append(one_round(k, args.min, args.max, args.iters, tmp, modes))
             print(f"# progress: {k + 1}/{args.rounds} rounds", flush=True)
-    meta = {"rounds": args.rounds, "iters": args.iters, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    meta = {"rounds": args.rounds, "iters": args.iters, "modes": modes, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "host": host_text()}
     with open(os.path.join(args.out, "rounds.json"), "w") as fh:
-        json.dump({"meta": meta, "rounds": [{k: {str(s): t for s, t in v.items()} for k, v in r.items()}
-                                            for r in rounds]}, fh, indent=1)
+        json.dump({"meta": meta, "rounds": [{mode: {lib: {str(s): t for s, t in times.items()}
+                                                    for lib, times in by_lib.items()}
+                                             for mode, by_lib in r.items()} for r in rounds]}, fh, indent=1)
     text = report(rounds, meta)
     with open(os.path.join(args.out, "report.md"), "w") as fh:
         fh.write(text)

@@ -7,6 +7,16 @@ float32 sum all_reduce. Per point: barrier, then the operation, per-op time =
 the slowest rank, median over -n iterations after -w warm-up iterations; rows
 share mpccs-perf's JSON schema (policy = "mpi" or "gloo"). No mpccs code runs
 in these processes, so no mpccs progress competes with the peer being timed.
+
+Out of place by default, like mpccs-perf and nccl-tests' first columns: MPI's
+Allreduce(send, recv); torch.distributed has no out-of-place all_reduce, so
+gloo's copies the input into the output and reduces that in place (what a torch
+user writes), the copy timed with it. ``--in-place`` times MPI_IN_PLACE and
+gloo's own call, the input put back before the barrier (as mpccs-perf
+--in-place does). The two differ by far more than noise at large sizes
+(2 ranks, 8 MiB: MPICH's out-of-place call 1.6-1.9x its in-place one, as it
+copies the input first), so a ratio is only read between runs of one mode.
+``#wrong``: elements of the last result that differ from the expected sum.
 """
 from __future__ import annotations
 
@@ -46,8 +56,8 @@ class MpiPeer:
     def barrier(self):
         self.comm.Barrier()
 
-    def all_reduce(self, x):
-        self.comm.Allreduce(self.MPI.IN_PLACE, x, op=self.MPI.SUM)
+    def all_reduce(self, x, out=None):
+        self.comm.Allreduce(self.MPI.IN_PLACE if out is None else x, x if out is None else out, op=self.MPI.SUM)
 
     def max_across(self, values: np.ndarray) -> np.ndarray:
         out = np.empty_like(values)
@@ -78,7 +88,10 @@ class GlooPeer:
     def barrier(self):
         self.dist.barrier()
 
-    def all_reduce(self, x):
+    def all_reduce(self, x, out=None):
+        if out is not None:  # no out-of-place all_reduce in torch.distributed: copy, then in place
+            np.copyto(out, x)
+            x = out
         self.dist.all_reduce(self.torch.from_numpy(x))
 
     def max_across(self, values: np.ndarray) -> np.ndarray:
@@ -105,32 +118,44 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=20)
     ap.add_argument("-w", type=int, default=5)
     ap.add_argument("-J", default=None)
+    ap.add_argument("--in-place", action="store_true", help="time the in-place call (default: out of place)")
     ns = ap.parse_args()
     peer = MpiPeer() if ns.peer == "mpi" else GlooPeer()
     rows = []
     for nbytes in sizes(parse_size(ns.b), parse_size(ns.e), ns.f):
         count = max(1, nbytes // 4)
-        x = np.ones(count, np.float32)
-        for _ in range(ns.w):
-            peer.all_reduce(x)
-        times = []
-        for _ in range(ns.n):
+        original = np.ones(count, np.float32)
+        x = original.copy()
+        out = None if ns.in_place else np.empty_like(x)
+
+        def one_op():
+            if ns.in_place:
+                np.copyto(x, original)  # the input put back, outside the timed call
             peer.barrier()
             t0 = time.perf_counter()
-            peer.all_reduce(x)
-            times.append(time.perf_counter() - t0)
-        times = peer.max_across(np.array(times))
+            peer.all_reduce(x, out)
+            return time.perf_counter() - t0
+
+        for _ in range(ns.w):
+            one_op()
+        times = peer.max_across(np.array([one_op() for _ in range(ns.n)]))
+        result = x if ns.in_place else out
+        wrong = int(np.count_nonzero(result != peer.size)) if ns.n or ns.w else 0
+        wrong = int(peer.max_across(np.array([wrong], np.float64))[0])  # the worst rank's
         t = float(np.median(times))
         algbw = count * 4 / t / 1e9
         factor = 2 * (peer.size - 1) / peer.size
         rows.append({"collective": "all_reduce", "size": count * 4, "count": count, "type": "float", "redop": "sum",
                      "root": -1, "policy": peer.name, "time_us": t * 1e6, "algbw": algbw, "busbw": algbw * factor,
-                     "wrong": 0, "times_us": [v * 1e6 for v in times], "nranks": peer.size})
+                     "wrong": wrong, "in_place": ns.in_place, "times_us": [v * 1e6 for v in times],
+                     "nranks": peer.size})
         if peer.rank == 0:
-            print(f"{count * 4:12d} {peer.name:>6s} {t * 1e6:10.1f} us  algbw {algbw:8.3f} GB/s", flush=True)
+            print(f"{count * 4:12d} {peer.name:>6s} {t * 1e6:10.1f} us  algbw {algbw:8.3f} GB/s  #wrong {wrong}",
+                  flush=True)
     if peer.rank == 0 and ns.J:
         with open(ns.J, "w") as fh:
-            json.dump({"meta": {"peer": peer.version(), "nranks": peer.size, "pid": os.getpid()}, "rows": rows}, fh, indent=1)
+            json.dump({"meta": {"peer": peer.version(), "nranks": peer.size, "pid": os.getpid(), "in_place": ns.in_place},
+                       "rows": rows}, fh, indent=1)
     peer.close()
     return 0
 
