@@ -119,7 +119,8 @@ def _stolen(x) -> str:
 def settle_text(settled) -> str:
     """The controller's start-up, run before the sweep (mpccs-perf --settle)."""
     if not settled:
-        return "The controller's start-up ran inside the sweep (no --settle)."
+        return ("mpccs-perf --settle found no swept size the controller splits (a 2-rank all_reduce whose pair "
+                "reads across processes takes the direct path to 256 MiB): there was no start-up to run.")
     a, u = settled["adaptive_s"], settled["up_s"]
     return (f"Before the sweep, the controller's start-up (its first probes): {settled['ops']} operations of "
             f"{_size(settled['size'])} took {1e3 * a:.1f} ms under `adaptive` against {1e3 * u:.1f} ms under `up` "
