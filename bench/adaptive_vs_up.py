@@ -29,7 +29,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from stats import code_text, holds, noise_floor, ratio_ci  # noqa: E402
+from stats import code_text, holds, noise_floor, ratio_ci, size_text  # noqa: E402
+
+from mpccs.config import parse_size  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
 TARGET = 0.97
@@ -53,12 +55,6 @@ def sweeps(args) -> list[tuple[str, str, int, str]]:
         return [(args.min, args.max, args.iters, "perf.json")]
     return [(args.min, args.small_max, args.iters_small, "perf_small.json"),
             (str(2 * cut), args.max, args.iters, "perf.json")]
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper().rstrip("B")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    return int(float(text[:-1] if text[-1:] in "KMG" else text) * mult)
 
 
 def report(out: str) -> str:
@@ -87,18 +83,11 @@ def report(out: str) -> str:
         ok = holds(ratio, TARGET, floor)
         met += ok
         steal = "-" if ad.get("steal") is None else f"{100 * ad['steal']:.0f}%"
-        lines.append(f"| {_size(s)} | {up['time_us']:.0f} | {ad['time_us']:.0f} | {ratio[0]:.3f} [{ratio[1]:.3f}, "
+        lines.append(f"| {size_text(s)} | {up['time_us']:.0f} | {ad['time_us']:.0f} | {ratio[0]:.3f} [{ratio[1]:.3f}, "
                      f"{ratio[2]:.3f}] | {floor:.3f} | {ratio[1] - floor:.3f} | {'yes' if ok else 'no'} | "
                      f"{ad.get('algorithm', '-')} | {steal} |")
     lines += ["", f"{met} of {len(sizes)} sizes hold by the strict rule."]
     return "\n".join(lines) + "\n"
-
-
-def _size(n: int) -> str:
-    for unit, shift in (("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n >> shift} {unit}"
-    return f"{n} B"
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ import time
 
 
 sys.path.insert(0, os.path.dirname(__file__))
-from stats import code_text, holds, noise_floor, ratio_ci  # noqa: E402
+from stats import code_text, holds, noise_floor, ratio_ci, size_text  # noqa: E402
 
 from mpccs.perf import host_speed_text  # noqa: E402
 
@@ -96,7 +96,7 @@ def report(out: str) -> str:
         vs_mpi = _ratio(ad, get("mpi"))
         vs_gloo = _ratio(ad, get("gloo"))
         share = "-" if ad.get("up_share") is None else f"{100 * ad['up_share']:.0f}%"
-        lines.append(f"| {_size(s)} | " + " | ".join(cells) + f" | {_fmt(vs_best)} | {floor:.3f} | {_fmt(vs_mpi)} | "
+        lines.append(f"| {size_text(s)} | " + " | ".join(cells) + f" | {_fmt(vs_best)} | {floor:.3f} | {_fmt(vs_mpi)} | "
                      f"{_fmt(vs_gloo)} | {share} | {_stolen(ad.get('steal'))} |")
         verdicts.append((s, vs_best, floor, vs_mpi, vs_gloo, ad))
     lines += ["", "## Targets (benchmarks issue)", ""]
@@ -123,7 +123,7 @@ def settle_text(settled) -> str:
                 "reads across processes takes the direct path to 256 MiB): there was no start-up to run.")
     a, u = settled["adaptive_s"], settled["up_s"]
     return (f"Before the sweep, the controller's start-up (its first probes): {settled['ops']} operations of "
-            f"{_size(settled['size'])} took {1e3 * a:.1f} ms under `adaptive` against {1e3 * u:.1f} ms under `up` "
+            f"{size_text(settled['size'])} took {1e3 * a:.1f} ms under `adaptive` against {1e3 * u:.1f} ms under `up` "
             f"({a / u:.2f}x); the sweep's `adaptive` points are steady state, probes every 64-128 operations included.")
 
 
@@ -132,14 +132,14 @@ def targets(verdicts, rows) -> list[str]:
     for s, vs_best, floor, vs_mpi, vs_gloo, ad in verdicts:
         if s >= 64 << 10:
             ok = holds(vs_best, 0.97, floor)
-            out.append(f"- adaptive >= 0.97x best single plane at {_size(s)}: {_fmt(vs_best)} (floor {floor:.3f}) -> "
+            out.append(f"- adaptive >= 0.97x best single plane at {size_text(s)}: {_fmt(vs_best)} (floor {floor:.3f}) -> "
                        f"{'holds' if ok else 'NOT MET'}")
         if (1 << 20) <= s <= (256 << 20) and vs_mpi:
             ok = holds(vs_mpi, 1.0, 0.0)
-            out.append(f"- algbw >= 1.0x MPICH at {_size(s)}: {_fmt(vs_mpi)} -> {'holds' if ok else 'NOT MET'}")
+            out.append(f"- algbw >= 1.0x MPICH at {size_text(s)}: {_fmt(vs_mpi)} -> {'holds' if ok else 'NOT MET'}")
         if s <= (8 << 20) and vs_gloo:
             ok = holds(vs_gloo, 3.0, 0.0)
-            out.append(f"- algbw >= 3x gloo at {_size(s)}: {_fmt(vs_gloo)} -> {'holds' if ok else 'NOT MET'}")
+            out.append(f"- algbw >= 3x gloo at {size_text(s)}: {_fmt(vs_gloo)} -> {'holds' if ok else 'NOT MET'}")
     small = rows.get(("adaptive", 8))
     if small:
         out.append(f"- 8-byte latency <= 30 us (fingerprints and telemetry on): {small['time_us']:.1f} us -> "
@@ -157,13 +157,6 @@ def _fmt(r) -> str:
 
 def _bw(r) -> str:
     return "-" if r is None else f"{r['algbw']:.3f}"
-
-
-def _size(s: int) -> str:
-    for unit, shift in (("MiB", 20), ("KiB", 10)):
-        if s >= 1 << shift:
-            return f"{s >> shift} {unit}"
-    return f"{s} B"
 
 
 def plot(out: str) -> None:

@@ -52,6 +52,14 @@ def code_text(codes: dict) -> str:
     return "Code the ranks imported (mpccs-perf's `# code:`): " + "; ".join(parts) + "."
 
 
+def size_text(n: int) -> str:
+    """A report's size label: 8 B, 64 KiB, 16 MiB."""
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
 def noise_floor(times_a, times_a2) -> float:
     """Half-width of the A/A ratio's interval around 1 (how far identical runs stray)."""
     point, lo, hi = ratio_ci(times_a, times_a2, paired=True)

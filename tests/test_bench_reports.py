@@ -34,11 +34,19 @@ def test_peer_rounds_report_takes_the_median_of_per_round_ratios():
     mib = 1 << 20
     # MPICH over mpccs per round: 0.5, 2.0, 0.8 at 1 MiB (median 0.8, one round >= 1.0x);
     # the libraries' own medians are taken over all rounds separately.
-    rounds = [{"mpccs_us": {mib: 200.0}, "mpi_us": {mib: 100.0}},
-              {"mpccs_us": {mib: 100.0}, "mpi_us": {mib: 200.0}},
-              {"mpccs_us": {mib: 250.0}, "mpi_us": {mib: 200.0}}]
-    text = rounds_mod.report(rounds, {"rounds": 3, "iters": "20", "host": "test", "time": "now"})
-    assert table_rows(text)["1 MiB"] == ["200", "200", "0.80", "0.50-2.00", "1/3"]
+    out_of_place = [{"mpccs_us": {mib: 200.0}, "mpi_us": {mib: 100.0}},
+                    {"mpccs_us": {mib: 100.0}, "mpi_us": {mib: 200.0}},
+                    {"mpccs_us": {mib: 250.0}, "mpi_us": {mib: 200.0}}]
+    # In place, each library against its own in-place call: MPICH 1.5x, 1.0x, 1.2x mpccs's speed.
+    in_place = [{"mpccs_us": {mib: 100.0}, "mpi_us": {mib: 150.0}},
+                {"mpccs_us": {mib: 120.0}, "mpi_us": {mib: 120.0}},
+                {"mpccs_us": {mib: 100.0}, "mpi_us": {mib: 120.0}}]
+    rounds = [{"out": o, "in": i} for o, i in zip(out_of_place, in_place)]
+    text = rounds_mod.report(rounds, {"rounds": 3, "iters": "20", "host": "test", "time": "now", "modes": ["out", "in"]})
+    out_text, in_text = text.split("## in place")
+    assert "## out of place" in out_text
+    assert table_rows(out_text)["1 MiB"] == ["200", "200", "0.80", "0.50-2.00", "1/3"]
+    assert table_rows(in_text)["1 MiB"] == ["100", "120", "1.20", "1.00-1.50", "3/3"]
 
 
 def test_two_step_ab_reports_speedup_and_share_of_the_floor():
