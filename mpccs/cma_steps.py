@@ -180,10 +180,12 @@ class CmaSteps:
         step = mine.size if whole else max(1, READ_PART_BYTES // itemsize)
         dest = mine if in_place else self.mine_out
         scratch = self.scratch(min(mine.nbytes, step * itemsize)).view(mine.dtype) if in_place else None
-        for lo in range(0, mine.size, step):
+        # Each part's address from one base (cma.read_at), not from numpy per part.
+        landing, stride = (scratch.ctypes.data, 0) if in_place else (dest.ctypes.data, step * itemsize)
+        for k, lo in enumerate(range(0, mine.size, step)):
             part = dest[lo:lo + step]
             incoming = part if scratch is None else scratch[:part.size]
-            self._read(incoming, address + lo * itemsize, SLOT_POSTED)
+            self._read_at(landing + k * stride, part.nbytes, address + lo * itemsize, SLOT_POSTED)
             self._reduce(part, mine[lo:lo + step], incoming)
 
     def _reduce(self, out: np.ndarray, own: np.ndarray, incoming: np.ndarray) -> None:
@@ -192,12 +194,16 @@ class CmaSteps:
         reduce_to(out, left, right, self.op)
 
     def _read(self, dst: np.ndarray, address: int, word: int) -> None:
-        """One cross-memory read from the peer; then check that the peer still
-        stands at the step the read relied on (module docstring)."""
+        """One cross-memory read from the peer into ``dst``; then check that the peer
+        still stands at the step the read relied on (module docstring)."""
+        self._read_at(dst.ctypes.data, dst.nbytes, address, word)
+
+    def _read_at(self, local_address: int, nbytes: int, address: int, word: int) -> None:
+        """_read to an address in this process (``nbytes`` there)."""
         try:
-            cma.read_into(dst.view(np.uint8).reshape(-1), self.pair.peer_pid, address)
+            cma.read_at(local_address, nbytes, self.pair.peer_pid, address)
         except OSError as exc:
-            what = f"cross-memory read of {dst.nbytes} bytes failed: {exc}"
+            what = f"cross-memory read of {nbytes} bytes failed: {exc}"
             if exc.errno == errno.ESRCH:  # its process exited: an abort need not tell it
                 err = self.error(f"rank(s) [{1 - self.rank}] are gone (their processes exited): {what}", self.step)
                 err.lost_ranks = (1 - self.rank,)

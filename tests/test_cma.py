@@ -145,9 +145,9 @@ def test_reduce_reads_into_the_root_in_rank_order(root, in_place):
 def _count_reads(monkeypatch) -> list:
     """The size of every cross-memory read from here on (the reads themselves still happen)."""
     reads = []
-    real_read = cma_steps.cma.read_into
-    monkeypatch.setattr(cma_steps.cma, "read_into", lambda dst, pid, at: (reads.append(dst.nbytes),
-                                                                           real_read(dst, pid, at)))
+    real_read = cma_steps.cma.read_at
+    monkeypatch.setattr(cma_steps.cma, "read_at", lambda local, nbytes, pid, at: (reads.append(nbytes),
+                                                                                 real_read(local, nbytes, pid, at)))
     return reads
 
 
@@ -206,7 +206,7 @@ def test_a_peer_of_another_shape_is_never_read(monkeypatch):
     """A peer whose call differs (here 4 bytes more) posts another shape: nothing is read
     from it; its fingerprint message brings the MismatchError (test_mismatch.py)."""
     reads = []
-    monkeypatch.setattr(cma_steps.cma, "read_into", lambda *args: reads.append(args))
+    monkeypatch.setattr(cma_steps.cma, "read_at", lambda *args: reads.append(args))
     pairs = _pairs()
     steps = [_steps(pairs[r], r, "all_reduce", np.ones(64 + r, np.float32), np.zeros(64 + r, np.float32), 5)
              for r in range(2)]
@@ -235,13 +235,13 @@ def test_a_peer_that_leaves_during_a_read_fails_the_operation(monkeypatch):
     srcs = [np.ones(1000, np.float32) for _ in range(2)]
     outs = [np.zeros(1000, np.float32) for _ in range(2)]
     steps = [_steps(pairs[r], r, "all_reduce", srcs[r], outs[r], 9) for r in range(2)]
-    real_read = cma.read_into
+    real_read = cma.read_at
 
-    def read_while_the_peer_fails(dst, pid, address):
-        real_read(dst, pid, address)
+    def read_while_the_peer_fails(local, nbytes, pid, address):
+        real_read(local, nbytes, pid, address)
         steps[1].abandon()  # rank 1's operation fails meanwhile: it clears its slot
 
-    monkeypatch.setattr(cma_steps.cma, "read_into", read_while_the_peer_fails)
+    monkeypatch.setattr(cma_steps.cma, "read_at", read_while_the_peer_fails)
     with pytest.raises(TransportError) as info:
         steps[0].advance()
     assert "left the operation" in str(info.value) and info.value.stage == "reduce-scatter"

@@ -71,7 +71,16 @@ def read_into(dst: np.ndarray, pid: int, remote_address: int) -> None:
     """Copy dst.nbytes bytes from ``remote_address`` in process ``pid`` into the
     contiguous array ``dst``; OSError (ESRCH: the process is gone, EFAULT: the
     range is not mapped there, EPERM: not allowed) when the copy fails."""
-    local_address, nbytes, done = dst.ctypes.data, dst.nbytes, 0
+    read_at(dst.ctypes.data, dst.nbytes, pid, remote_address)
+
+
+def read_at(local_address: int, nbytes: int, pid: int, remote_address: int) -> None:
+    """read_into by address: ``nbytes`` bytes to ``local_address`` in this process.
+    For a caller that reads many parts of one array: it adds offsets to one
+    address instead of asking numpy for each part's (``ndarray.ctypes`` builds
+    an object per call, 8-10 us each right after a large copy has evicted the
+    interpreter's caches: cma_steps.CmaSteps._read_and_reduce)."""
+    done = 0
     while done < nbytes:  # the kernel may stop short (a fault part-way); go on from there
         local = _IoVec(local_address + done, nbytes - done)
         remote = _IoVec(remote_address + done, nbytes - done)
