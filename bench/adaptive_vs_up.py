@@ -58,19 +58,20 @@ def sweeps(args) -> list[tuple[str, str, int, str]]:
 
 
 def report(out: str) -> str:
-    runs = []
+    runs = {}  # file -> its JSON: the small sizes' run apart where there was one (sweeps)
     for name in ("perf_small.json", "perf.json"):
         if os.path.exists(f"{out}/{name}"):
             with open(f"{out}/{name}") as fh:
-                runs.append(json.load(fh))
-    rows = {(r["policy"], r["size"]): r for run in runs for r in run["rows"]}
+                runs[name] = json.load(fh)
+    rows = {(r["policy"], r["size"]): r for run in runs.values() for r in run["rows"]}
     sizes = sorted({size for _, size in rows})
-    meta = runs[-1]["meta"]
+    meta = runs["perf.json"]["meta"]
     iters = sorted({len(rows[("up", s)]["times_us"]) for s in sizes})
     lines = ["# `adaptive` against `up`, many iterations (target 2's strict rule)", "",
              f"2 ranks, default planes, float32 all_reduce, `up`, `up#2`, `adaptive` interleaved, "
-             f"{' or '.join(map(str, iters))} iterations per point; mpccs {meta['mpccs']}, UCX {meta['ucx']}, kernel {meta['kernel']}; measured {meta['time']}.",
-             "", code_text({name: run["meta"].get("code") for name, run in zip(("small sizes", "large"), runs)}), "",
+             f"{' or '.join(map(str, iters))} iterations per point; mpccs {meta['mpccs']}, UCX {meta['ucx']}, "
+             f"kernel {meta['kernel']}; measured {meta['time']}.",
+             "", code_text({name: run["meta"].get("code") for name, run in runs.items()}), "",
              f"Rule: lower bound of adaptive / up minus the A/A floor >= {TARGET}.", "",
              "| size | up (us) | adaptive (us) | adaptive / up | A/A floor | lower bound - floor | holds | algorithm "
              "| CPU stolen |",
