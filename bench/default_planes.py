@@ -71,9 +71,10 @@ def report(out: str) -> str:
         "",
         "algbw in GB/s (median of iterations; per-iteration time = slowest rank). Ratios: median with bootstrap 95% "
         "interval; `adaptive / best` is paired (interleaved iterations), peers unpaired. Noise floor = A/A (`up` "
-        "vs `up#2`). Every call out of place (mpccs-perf's default; MPI `Allreduce(send, recv)`; gloo copies the input "
-        "into the output and reduces that in place: docs/benchmarks.md, Method 11). CPU stolen: the share of the host's CPU time the hypervisor gave to other guests while the "
-        "point ran (/proc/stat; the peers' points are not covered).",
+        "vs `up#2`). Every call out of place (mpccs-perf's default; MPI `Allreduce(send, recv)`; gloo copies the "
+        "input into the output and reduces that in place: docs/benchmarks.md, Method 11). CPU stolen: the share of "
+        "the host's CPU time the hypervisor gave to other guests while the point ran (/proc/stat; the peers' points "
+        "are not covered).",
         "",
         _host_text(perf["meta"].get("host_speed")),
         "",

@@ -66,7 +66,8 @@ def one_round(k: int, lo: str, hi: str, iters: str, tmp: str, modes: list[str]) 
                "-n", iters, "-w", "5", "-J", f"{tmp}/mpi{k}{mode}.json", *flag]
         for cmd in ((perf, mpi) if k % 2 == 0 else (mpi, perf)):
             run(cmd, 600)
-        result[mode] = {"mpccs_us": times_us(f"{tmp}/perf{k}{mode}.json"), "mpi_us": times_us(f"{tmp}/mpi{k}{mode}.json")}
+        result[mode] = {"mpccs_us": times_us(f"{tmp}/perf{k}{mode}.json"),
+                        "mpi_us": times_us(f"{tmp}/mpi{k}{mode}.json")}
     return result
 
 

@@ -57,7 +57,10 @@ class MpiPeer:
         self.comm.Barrier()
 
     def all_reduce(self, x, out=None):
-        self.comm.Allreduce(self.MPI.IN_PLACE if out is None else x, x if out is None else out, op=self.MPI.SUM)
+        if out is None:
+            self.comm.Allreduce(self.MPI.IN_PLACE, x, op=self.MPI.SUM)
+        else:
+            self.comm.Allreduce(x, out, op=self.MPI.SUM)
 
     def max_across(self, values: np.ndarray) -> np.ndarray:
         out = np.empty_like(values)
