@@ -7,7 +7,7 @@ Changes that touch every call (a kernel, where data lands) cannot be switched
 inside one process, so each round runs the same timing under the other
 checkout (PYTHONPATH) and under this one, back to back: 2 ranks, float32,
 out of place, policy 'adaptive' as shipped, blocks of 128 KiB and 512 KiB
-(what each rank sends each peer), per-op time = median over 40 blocks of 5
+(what each rank sends each peer; from 8 bytes, --blocks 8,4K), per-op time = median over 40 blocks of 5
 operations after a barrier, slowest rank. --blocks and --collectives pick
 other blocks and calls (an all_reduce's block is its whole input). Writes
 report.md (per round and the median of rounds) under --out.
@@ -25,6 +25,8 @@ import numpy as np
 
 BIN = os.path.dirname(sys.executable)
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from stats import size_text  # noqa: E402
 
 
 def rank_main() -> None:
@@ -57,7 +59,7 @@ def rank_main() -> None:
                 times.append((time.perf_counter() - t0) / 5)
             t = np.array(times)
             worst = comm.all_reduce(t, np.empty_like(t), op="max")
-            res[f"{name} {blk >> 10} KiB"] = float(np.median(worst)) * 1e6
+            res[f"{name} {size_text(blk)}"] = float(np.median(worst)) * 1e6
     if comm.rank == 0:
         print("RESULT " + json.dumps(res), flush=True)
     comm.close()

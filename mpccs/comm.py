@@ -25,6 +25,8 @@ from .direct_ops import (DIRECT_BLOCKS_MIN_BYTES, DIRECT_CMA_BLOCK_BYTES, DIRECT
                          DirectReduceScatterOp, DirectShmAllReduceOp, DirectShmBlocksOp)
 from .engine import Engine
 from .flows import Splitter
+from .lane_ops import DONE as LANE_DONE, POSTED as LANE_POSTED, LANE_COLLECTIVES, Lane, LaneAllReduceOp, LaneRecord, \
+    fingerprint_words, takes_lane
 from .operation import Operation
 from .p2p_ops import RecvOp, SendOp
 from .errors import CommunicatorAborted, ConfigError, MismatchError, MpccsError, TransportError
@@ -142,6 +144,7 @@ class Communicator:
         if self.size == 2 and boot.store is not None:
             self._engine.shm = shm.open_pair(boot.store, self.rank, options.rendezvous_timeout_s,
                                              willing=self._shm_willing(options), cma_willing=options.cma)
+        self._lane = Lane(self._engine.shm, self.rank) if self._engine.shm is not None else None
         self._telemetry = Telemetry(options.trace, self.rank)
         self._policy = None
         self.set_path_policy(options.path_policy)
@@ -263,7 +266,7 @@ class Communicator:
 
     def last_stats(self) -> Optional[dict]:
         """Record of the operation completed last (see Work.stats)."""
-        if isinstance(self._last_stats, Operation):
+        if isinstance(self._last_stats, (Operation, LaneRecord)):
             self._last_stats = self._last_stats.stats()
         return self._last_stats
 
@@ -293,6 +296,7 @@ class Communicator:
             except MpccsError:
                 pass
         self._closed = True
+        self._lane = None  # (its slot views of the segments go first)
         if self._engine.shm is not None:
             self._engine.shm.close()
             self._engine.shm = None
@@ -329,10 +333,16 @@ class Communicator:
         self._wait_usable(op, None)  # nothing since the caller's check can have closed or aborted it
         return result
 
+    def _records_light(self) -> bool:
+        """Whether a successful operation now needs no record but its counts:
+        no trace to write, no plane or controller events to attach to it."""
+        controller = self._engine.controller
+        return (not self._engine.health.events and not self._telemetry.tracing
+                and (controller is None or not controller.has_events()))
+
     def _record(self, op: Operation) -> None:
         health, controller = self._engine.health, self._engine.controller
-        if (op.error is None and not health.events and not self._telemetry.tracing and op.stats_are_light
-                and (controller is None or not controller.has_events())):
+        if op.error is None and op.stats_are_light and self._records_light():
             # A direct or two-step operation: count it now, build its record
             # only if asked (last_stats) - ~2 us of an ~25 us call, ~10 us of a
             # two-step one.
@@ -754,6 +764,8 @@ class Communicator:
         # Always the control plane (scale-up where it reaches): both ends must
         # agree on the plane without a round trip, and plane state (a plane
         # down, rejoining) may differ between ranks for a moment.
+        if name in LANE_COLLECTIVES and takes_lane(self._engine.shm, send.nbytes):
+            return self._run_lane(name, send, out, op, result, async_op, finalize)
         kind = DIRECT_OPS.get(name, DirectAllReduceOp)  # all_reduce and barrier: DirectAllReduceOp
         if name == "all_reduce" and self._through_segments(send):
             kind = DirectShmAllReduceOp
@@ -767,6 +779,33 @@ class Communicator:
         extra = {} if root is None else {"root": root}
         dop = kind(self._engine, self._next_seq(), send, out, op, self.size, fp, finalize, name, **extra)
         return self._submit(dop, result, async_op)
+
+    def _run_lane(self, name, send, out, op, result, async_op, finalize):
+        """A 2-rank call through the lane (lane_ops): a blocking call with nothing
+        else in flight exchanges by itself (Lane.exchange: no Operation, its
+        record built only if asked); whatever that does not finish, an operation
+        takes over, posted or not, run alone first where it can be."""
+        fp = fingerprint.make(name, op, send.dtype, LaneAllReduceOp.algorithm, None, 0, send.size) \
+            if self.options.fingerprint else None
+        seq, engine, posted = self._next_seq(), self._engine, False
+        if not async_op and not engine.active and self._records_light():
+            t_start = time.perf_counter()
+            outcome = self._lane.exchange(seq, send, out, op, fingerprint_words(fp))
+            if outcome == LANE_DONE:
+                if finalize is not None:
+                    finalize()
+                self._telemetry.counters.count_light(name, {UP: send.nbytes, OUT: 0})
+                self._last_stats = LaneRecord(name, seq, send.nbytes, t_start, time.perf_counter())
+                return result
+            posted = outcome == LANE_POSTED
+        lane_op = LaneAllReduceOp(engine, seq, send, out, op, self.size, fp, finalize, name, posted=posted)
+        if async_op or engine.active:
+            return self._submit(lane_op, result, async_op)
+        lane_op.on_finish.append(self._record)
+        if not lane_op.run_alone():
+            engine.submit(lane_op)
+        self._wait_usable(lane_op, None)  # (finished: raises its error, aborting where due)
+        return result
 
     def _through_segments(self, send: np.ndarray) -> bool:
         """A direct all_reduce the shared-memory segments carry (DirectShmAllReduceOp):

@@ -64,6 +64,7 @@ class Engine:
         self.shm = None  # transports.shm.ShmPair of a 2-rank job on one host (the communicator opens it)
         self._p2p_inboxes: list[np.ndarray] = []  # see p2p_inbox()
         self.shm_holder: Optional[Operation] = None  # the operation whose steps use the segments now
+        self.lane_unposted: list[Operation] = []  # lane operations built but not posted yet, in order (lane_ops)
         self._direct_pool_bytes = 0
         self._last_direct: Optional[DirectBuffers] = None  # see give_direct_buffers()
         self.fp_capacity: dict[int, int] = {}  # fp_blob_capacity by world size

@@ -22,7 +22,8 @@ from .reduce import SUPPORTED_DTYPES
 
 _COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "all_to_allv", "broadcast", "reduce", "barrier")
 _OPS = ("sum", "prod", "min", "max", "avg")
-_ALGORITHMS = ("ring", "rhd", "rd", "tree", "hierarchical", "pairwise", "pipeline", "direct", "direct_blocks", "direct_shm")
+_ALGORITHMS = ("ring", "rhd", "rd", "tree", "hierarchical", "pairwise", "pipeline", "direct", "direct_blocks", "direct_shm",
+               "direct_lane")  # 4 bits: at most 16
 ANY_COUNT = (1 << 64) - 1
 
 
@@ -40,6 +41,12 @@ class Fingerprint:
 
     def encode(self) -> np.ndarray:
         return self._words
+
+    @functools.cached_property
+    def signed_words(self) -> tuple[int, int]:
+        """The two words as int64 values (what an int64 memoryview stores and loads: lane_ops.Lane)."""
+        word0, word1 = self._words.view(np.int64)
+        return int(word0), int(word1)
 
     @functools.cached_property
     def raw(self) -> bytes:

@@ -64,15 +64,16 @@ def call_and_let_go(comm, cases):
 
 # (collective, bytes, in place, async): every light record the direct path makes
 DIRECT_CASES = [
-    (("all_reduce", 8, False, False), "direct"),  # inline in the fingerprint message
-    (("all_reduce", 64 * KIB, True, False), "direct"),
-    (("all_reduce", 256 * KIB, False, True), "direct"),  # a payload message of its own
-    (("all_reduce", 1 * MIB, False, False), "direct_shm"),  # the segments' outboxes
+    (("all_reduce", 8, False, False), "direct_lane"),  # through the lane, no Operation (lane_ops.py)
+    (("all_reduce", 64 * KIB, True, False), "direct_lane"),
+    (("all_reduce", 256 * KIB, False, True), "direct_lane"),  # the lane's Operation (async)
+    (("all_reduce", 3 * MIB // 2, False, False), "direct_shm"),  # the segments' outboxes
     (("all_reduce", 4 * MIB, False, False), "direct_shm"),  # reads across processes, where the pair allows
     (("all_reduce", 4 * MIB, True, True), "direct_shm"),
     (("reduce_scatter", 4 * MIB, False, False), "direct_shm"),
-    (("all_gather", 512 * KIB, False, False), "direct"),
+    (("all_gather", 512 * KIB, False, False), "direct"),  # messages: the payloads in their own
     (("broadcast", 2 * MIB, True, False), "direct_shm"),
+    (("all_gather", 1 * KIB, False, True), "direct"),  # inline in the fingerprint messages
 ]
 
 

@@ -21,7 +21,7 @@ from mpccs import cma_steps
 from mpccs.direct_ops import DIRECT_CMA_FROM_BYTES
 from mpccs.errors import TransportError
 from mpccs.transports import cma, shm
-from mpccs.transports.shm import HEADER_BYTES, OUTBOX_BYTES, SLOT_POSTED, SLOT_SHAPE, SLOTS, ShmPair
+from mpccs.transports.shm import SEGMENT_BYTES, SLOT_POSTED, SLOT_SHAPE, SLOTS, ShmPair
 from rankpool import RankPool
 from test_two_step import BLOCK_CALLS, block_calls, inputs, reference
 
@@ -31,7 +31,7 @@ MIB = 1 << 20
 
 
 def _pairs():
-    a, b = (mmap.mmap(-1, HEADER_BYTES + OUTBOX_BYTES) for _ in range(2))
+    a, b = (mmap.mmap(-1, SEGMENT_BYTES) for _ in range(2))
     pairs = ShmPair(a, b, cma=True), ShmPair(b, a, cma=True)
     for p in pairs:
         p.peer_pid = os.getpid()  # both "ranks" live here

@@ -464,16 +464,16 @@ def test_pooled_direct_buffers_follow_each_calls_fingerprint(pools):
             assert got == expected
 
 
-def direct_blocks_every_dtype(comm, segments=False):
-    """Medium all_reduces on the direct blocks path (``segments``: through the
-    shared-memory segments where the pool has them, else with them closed), every
+def direct_blocks_every_dtype(comm, segments=False, nbytes=700 << 10):
+    """Medium all_reduces of ~``nbytes`` on the direct blocks path (``segments``: through
+    the shared-memory segments where the pool has them, else with them closed), every
     supported dtype, in and out of place: (dtype, op, in place, algorithm, exact) per call."""
     from mpccs.reduce import SUPPORTED_DTYPES
 
     p, out = comm.size, []
     with path_policy(comm, "adaptive"), shm_segments(comm, segments):
         for dt in map(np.dtype, SUPPORTED_DTYPES):
-            n = (700 << 10) // dt.itemsize + 1  # odd: blocks of unequal length
+            n = nbytes // dt.itemsize + 1  # odd: blocks of unequal length
             ins = [((np.arange(n) % 3) + (r % 2)).astype(dt) for r in range(p)]  # exact in every dtype
             for op, fold in (("sum", np.add), ("max", np.maximum)):
                 expected = ins[0]
@@ -495,11 +495,13 @@ def test_direct_blocks_are_exact_in_every_dtype(pools, world):
 
 
 @pytest.mark.skipif(not shm.supported(), reason="shared-memory segments need x86-64 and /dev/shm")
-def test_shared_memory_halves_are_exact_in_every_dtype(pools):
-    """2 ranks on one host: the segments are open and carry the medium all_reduce
-    (DirectShmAllReduceOp), bit for bit the same results as the messages."""
-    for rows in pools("2").run(direct_blocks_every_dtype, True):
-        assert rows and all(algorithm == "direct_shm" and exact for *_, algorithm, exact in rows), rows
+@pytest.mark.parametrize("nbytes,algorithm", [(700 << 10, "direct_lane"), (1536 << 10, "direct_shm")])
+def test_shared_memory_paths_are_exact_in_every_dtype(pools, nbytes, algorithm):
+    """2 ranks on one host: the segments are open and carry the medium all_reduce,
+    whole through the lane up to 1 MiB (LaneAllReduceOp), as halves through the
+    outboxes above (DirectShmAllReduceOp), bit for bit the same results as the messages."""
+    for rows in pools("2").run(direct_blocks_every_dtype, True, nbytes):
+        assert rows and all(alg == algorithm and exact for *_, alg, exact in rows), rows
 
 
 def all_to_allv_case(comm, seed):
@@ -677,16 +679,19 @@ def test_all_reduce_direct_paths_reduce_in_rank_order(pools, world):
     p = int(world)
     small_expected = _rank_order_sum(p, 4).tobytes()
     medium_expected = _rank_order_sum(p, (64 << 10) // 4 + 3).tobytes()
+    # 2 ranks on one host: through the segments (where they open: x86-64 with /dev/shm), whole
+    # through the lane up to 1 MiB, as halves above
+    segments = p == 2 and shm.supported()
+    whole = "direct_lane" if segments else "direct"
     for r in results:
         for policy in ("adaptive", "up"):
-            assert r[policy, "small"] == (small_expected, "direct")  # bit-identical everywhere: rank order 0..p-1
-            assert r[policy, "medium"] == (medium_expected, "direct")
-            assert r[policy, "medium_in_place"] == (medium_expected, "direct")
+            assert r[policy, "small"] == (small_expected, whole)  # bit-identical everywhere: rank order 0..p-1
+            assert r[policy, "medium"] == (medium_expected, whole)
+            assert r[policy, "medium_in_place"] == (medium_expected, whole)
             blocks_expected = _rank_order_sum(p, (768 << 10) // 4 + 3).tobytes()  # from DIRECT_BLOCKS_MIN_BYTES
-            # 2 ranks on one host: through the segments (where they open: x86-64 with /dev/shm)
-            halves = "direct_shm" if p == 2 and shm.supported() else "direct_blocks"
-            assert r[policy, "blocks"] == (blocks_expected, halves)
-            assert r[policy, "blocks_in_place"] == (blocks_expected, halves)  # rank 2 copies its block
+            halves = "direct_shm" if segments else "direct_blocks"
+            assert r[policy, "blocks"] == (blocks_expected, "direct_lane" if segments else halves)
+            assert r[policy, "blocks_in_place"] == (blocks_expected, "direct_lane" if segments else halves)
             assert r[policy, "largest"] == (float(p), halves)
             assert r[policy, "above"][0] == float(p) and r[policy, "above"][1] != "direct"
         assert r["fixed", "medium"] != "direct"  # a split policy keeps the DAG (both planes)

@@ -87,6 +87,16 @@ def mismatched(comm, kind):
             for _ in range(20):
                 comm.all_reduce(np.ones(2, np.float32))
             comm.all_reduce(np.ones(2, np.float32), op="sum" if r == 0 else "max")
+        elif kind == "lane_size":  # both through the lane: 8 bytes against 12
+            comm.all_reduce(np.ones(2 + r, np.float32), np.empty(2 + r, np.float32))
+        elif kind == "lane_late_size":  # the lane, rank 1 late: rank 0 hands the call to the engine first
+            if r == 1:
+                time.sleep(0.3)
+            comm.all_reduce(np.ones(2 + r, np.float32))
+        elif kind == "lane_vs_shm":  # 8 bytes through the lane against 1 MiB through the outboxes
+            comm.all_reduce(np.ones(2 if r == 0 else 1 << 18, np.float32))
+        elif kind == "lane_vs_medium":  # the lane against a direct 64 KiB: its fingerprint is a UCX message
+            comm.all_reduce(np.ones(2 if r == 0 else 16 << 10, np.float32))
         elif kind == "collective":
             if r == 0:
                 comm.all_reduce(x)
@@ -119,7 +129,8 @@ def _run_timed(fn, *args):
                                   "medium_size_out", "halves_size_out", "shm_vs_two_step", "shm_vs_gather",
                                   "shm_late_size", "cma_size", "cma_dtype", "cma_all_reduce_vs_rs", "cma_vs_dag",
                                   "cma_gather_size",
-                                  "cma_a2a_vs_gather", "cma_bcast_root", "cma_reduce_vs_bcast"])
+                                  "cma_a2a_vs_gather", "cma_bcast_root", "cma_reduce_vs_bcast", "lane_size",
+                                  "lane_late_size", "lane_vs_shm", "lane_vs_medium"])
 def test_mismatched_calls_raise_on_every_rank(kind):
     results, elapsed = _run_timed(mismatched, kind)
     for rank, result in enumerate(results):
@@ -132,7 +143,8 @@ def test_mismatched_calls_raise_on_every_rank(kind):
         # the fingerprint, looked at before the payload: never a truncated receive
         if kind.startswith(("medium", "halves")) or kind in ("gather_vs_dag", "a2a_size", "two_step_size",
                                                               "shm_late_size", "cma_size", "cma_vs_dag",
-                                                              "cma_gather_size"):
+                                                              "cma_gather_size", "lane_size", "lane_late_size",
+                                                              "lane_vs_shm", "lane_vs_medium"):
             assert name == "MismatchError", message
             assert ("same path policy" if kind == "medium_policy" else "count") in message, message
     assert elapsed < 15, f"mismatch took {elapsed:.1f} s to surface (a timeout, not detection)"

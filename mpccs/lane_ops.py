@@ -1,0 +1,200 @@
+"""The lane: a 2-rank all_reduce of at most LANE_MAX_BYTES (and the barrier)
+whole through the shared-memory segments, with nothing but a copy, a
+fingerprint entry and a flag on its way (transports/shm.py, "the lane").
+
+Why: the 8-byte all_reduce is the latency figure, and on the direct path it
+was ~30 pieces of Python of 1-15 us each (two UCX requests, a pooled buffer,
+the engine's loop). Two processes exchanging 8 bytes by hand through a
+shared page take ~7 us a call on the same host. From 8 KiB the direct
+path's messages each took a UCX rendezvous (measured: transports/shm.py,
+LANE_MAX_BYTES). The lane keeps what the
+direct path guarantees: the fingerprint travels with the payload (a peer
+that called anything else gets a MismatchError, in the segments or by its
+fingerprint message), a late or lost peer hands the operation to the engine
+(its sleep, stall watch, aborts and timeouts), async_op works, and the
+operation is counted like any other.
+
+Two ways to run one, the same on the wire: Lane.exchange, the common case
+without an Operation (a blocking call, nothing else in flight, the peer
+there within PEER_SPIN_S with the same fingerprint), and LaneAllReduceOp for
+everything else, which takes over an exchange that did not finish.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import numpy as np
+
+from . import direct_ops
+from .direct_ops import DirectShmAllReduceOp
+from .errors import ProtocolError
+from .fingerprint import Fingerprint
+from .reduce import reduce_to
+from .telemetry import wall
+from .transports.shm import LANE_MAX_BYTES, LANE_SLOTS
+from .windows import OUT, UP
+
+LANE_COLLECTIVES = ("all_reduce", "barrier")
+NO_WORDS = (0, 0)  # fingerprints off: the meeting alone
+# Lane.exchange's outcomes: finished; nothing posted (the slot's last payload
+# not yet read by the peer); posted but not finished (LaneAllReduceOp takes it).
+DONE, UNPOSTED, POSTED = range(3)
+LANE_VIEWS_KEPT = 256  # slot views kept by Lane (call shapes of a loop: a few)
+
+
+def takes_lane(pair, nbytes: int) -> bool:
+    """Whether a 2-rank all_reduce of ``nbytes`` goes through the lane: the same
+    answer on both ranks (the segments are open on both or neither)."""
+    return pair is not None and nbytes <= LANE_MAX_BYTES
+
+
+def fingerprint_words(fingerprint: Optional[Fingerprint]) -> tuple[int, int]:
+    return fingerprint.signed_words if fingerprint is not None else NO_WORDS
+
+
+class Lane:
+    """The common case of a lane operation, run by the communicator without an
+    Operation: copy the input into the slot, publish, poll for the peer's
+    entry for at most PEER_SPIN_S, reduce in rank order from its slot."""
+
+    def __init__(self, pair, rank: int):
+        self.pair, self.rank = pair, rank
+        self._views: dict = {}  # (slot, dtype, count) -> the slot views (ShmPair.lane_views)
+
+    def exchange(self, seq: int, send: np.ndarray, out: np.ndarray, op: str, words: tuple[int, int]) -> int:
+        """DONE (out holds the reduction), UNPOSTED or POSTED (module docstring)."""
+        pair = self.pair
+        if not pair.lane_free(seq):
+            return UNPOSTED
+        key = (seq % LANE_SLOTS, send.dtype, send.size)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= LANE_VIEWS_KEPT:
+                self._views.clear()
+            views = self._views[key] = pair.lane_views(seq, send.dtype, send.size)
+        mine, theirs = views
+        mine[...] = send
+        pair.post_lane(seq, send.nbytes, words)
+        if not pair.lane_met(seq, send.nbytes, words, direct_ops.PEER_SPIN_S):
+            return POSTED
+        left, right = (send, theirs) if self.rank == 0 else (theirs, send)
+        reduce_to(out, left, right, op)
+        pair.lane_taken(seq)
+        return DONE
+
+
+class LaneRecord:
+    """What last_stats() shows for an operation Lane.exchange ran: the same
+    keys as LaneAllReduceOp.stats(), built only when asked."""
+
+    __slots__ = ("name", "seq", "nbytes", "t_start", "t_end")
+
+    def __init__(self, name: str, seq: int, nbytes: int, t_start: float, t_end: float):
+        self.name, self.seq, self.nbytes, self.t_start, self.t_end = name, seq, nbytes, t_start, t_end
+
+    def stats(self) -> dict:
+        return {"op": self.name, "seq": self.seq, "duration_s": self.t_end - self.t_start,
+                "t_start_wall": wall(self.t_start), "bytes_per_plane": {UP: self.nbytes, OUT: 0},
+                "algorithm": LaneAllReduceOp.algorithm, "channels": 1, "policy": "direct", "stages": [],
+                "slept_for_peer": False, "rang_peer": False}
+
+
+class LaneAllReduceOp(DirectShmAllReduceOp):
+    """One 2-rank all_reduce of at most LANE_MAX_BYTES through the lane.
+
+    Each rank puts its input in its lane slot and publishes its fingerprint in
+    the ring after it (ShmPair.post_lane). Once the peer's entry for this
+    operation is there and matches (DirectShmAllReduceOp._meet_peer: past
+    PEER_SPIN_S it sleeps and looks for a fingerprint message, as there),
+    each reduces in rank order, in0 op in1, from the peer's slot straight
+    into its output (bit-identical on both ranks), and tells the peer it read
+    the slot (FLAG_LANE_TAKEN + slot). A slot is written again only after that
+    (ShmPair.lane_free), so a rank one operation ahead never overwrites what
+    its peer has yet to read. ``posted``: Lane.exchange posted it already.
+
+    run_alone() drives it without the engine while the caller blocks on it
+    alone."""
+
+    algorithm = "direct_lane"
+
+    def __init__(self, engine, seq, send: np.ndarray, out: np.ndarray, op: str, world: int,
+                 fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,
+                 name: str = "all_reduce", posted: bool = False):
+        self._posted = posted
+        super().__init__(engine, seq, send, out, op, world, fingerprint, finalize, name)
+
+    def _start_steps(self) -> bool:
+        """Post the payload once the slot is free (its earlier payload read by the
+        peer) and every lane operation built before this one posted: one posted
+        out of turn would take the slot its predecessor waits for, which the peer
+        frees only after reading that predecessor (Engine.lane_unposted)."""
+        self._since = time.perf_counter()
+        if self._posted:
+            return True
+        unposted = self.engine.lane_unposted
+        if (unposted and unposted[0] is not self) or not self._pair.lane_free(self.seq):
+            if self not in unposted:
+                unposted.append(self)
+            return False
+        if unposted:
+            unposted.pop(0)
+        self._pair.lane_views(self.seq, self.mine.dtype, self.mine.size)[0][...] = self.mine
+        self._pair.post_lane(self.seq, self.mine.nbytes, fingerprint_words(self.fingerprint))
+        self._posted = True
+        return True
+
+    def _advance(self) -> bool:
+        if not self._posted and not self._start_steps():
+            return False
+        if not self._met:
+            if not self._meet_peer():
+                return False
+            self._reduce()
+        if not all(r.completed for r in self._doorbells):
+            return True
+        for req in self._doorbells:
+            req.check_error()
+        if self.finalize is not None:
+            self.finalize()
+        self._finish()
+        return True
+
+    def _reduce(self) -> None:
+        theirs = self._pair.peer_lane(self.seq)
+        if theirs is None or theirs.size != self.mine.nbytes:
+            got = "another operation's" if theirs is None else f"{theirs.size} bytes"
+            raise ProtocolError(f"rank {self.peer}'s lane slot for operation #{self.seq} holds {got}, not "
+                                f"{self.mine.nbytes} bytes", rank=self.engine.rank, peer=self.peer, op=self.name)
+        theirs = theirs.view(self.mine.dtype)
+        left, right = (self.mine, theirs) if self.engine.rank == 0 else (theirs, self.mine)
+        reduce_to(self.out, left, right, self.op)
+        self._pair.lane_taken(self.seq)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self in self.engine.lane_unposted:
+            self.engine.lane_unposted.remove(self)
+        super()._fail(exc)
+
+    def run_alone(self) -> bool:
+        """Spin on the peer's entry without the engine, for at most PEER_SPIN_S
+        (as the engine's polling would) and not past a doorbell to ring (a UCX
+        send: the engine's to progress). True once finished, with or without an
+        error; else the caller submits it to the engine, which takes it from here."""
+        deadline = time.perf_counter() + direct_ops.PEER_SPIN_S
+        while not self.finished and not self._doorbells:
+            self.advance()
+            if time.perf_counter() > deadline:
+                break
+        return self.finished
+
+    @property
+    def polls_memory(self) -> bool:
+        """Until it meets its peer, and not asleep (met: it waits on a doorbell's send, a UCX event)."""
+        return not self._met and not self._asleep
+
+    def describe_stall(self) -> dict:
+        waiting = ("the peer to read this rank's earlier lane payload" if not self._posted else
+                   "the peer to reach this operation (its fingerprint in its segment)" if not self._met else
+                   "the doorbell to the peer to go out")
+        return {"stage": "direct lane", "peer": [self.peer], "plane": UP, "waiting_for": waiting}

@@ -1,0 +1,224 @@
+"""The lane (lane_ops.py): small 2-rank all_reduces and barriers whole through
+the shared-memory segments, without an Operation in the common case."""
+import mmap
+
+import numpy as np
+import pytest
+
+from mpccs import direct_ops
+from mpccs.lane_ops import DONE, POSTED, UNPOSTED, Lane, LaneAllReduceOp, LaneRecord
+from mpccs.transports import shm
+from mpccs.transports.shm import FLAG_WAITING, LANE_MAX_BYTES, SEGMENT_BYTES, ShmPair
+from rankpool import RankPool
+
+pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory segments need x86-64 and /dev/shm")
+
+WORDS = (0x1234, -(1 << 40))  # a fingerprint's two words, as int64 (the second negative: a high bit set)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    ranks = RankPool(2)
+    yield ranks
+    ranks.close()
+
+
+# -- the protocol, both ranks in this process ---------------------------------
+def _pairs():
+    a, b = (mmap.mmap(-1, SEGMENT_BYTES) for _ in range(2))
+    return ShmPair(a, b), ShmPair(b, a)
+
+
+def _post(pair, seq, values, words=WORDS):
+    """What Lane.exchange does before it polls: the payload in the slot, then the entry."""
+    assert pair.lane_free(seq)
+    pair.lane_views(seq, values.dtype, values.size)[0][...] = values
+    pair.post_lane(seq, values.nbytes, words)
+
+
+def test_a_posted_payload_is_met_only_with_the_same_words_count_and_operation():
+    pairs = _pairs()
+    x = np.arange(5, dtype=np.float64)
+    assert not pairs[1].lane_met(1, x.nbytes, WORDS, 1e-3)  # nothing posted: gives up after spin_s
+    _post(pairs[0], 1, x)
+    assert pairs[1].lane_met(1, x.nbytes, WORDS, 1e-3)
+    assert pairs[1].peer_lane(1).view(np.float64).tolist() == x.tolist()
+    assert not pairs[1].lane_met(1, x.nbytes + 8, WORDS, 1e-3)  # another byte count
+    assert not pairs[1].lane_met(1, x.nbytes, (WORDS[0], WORDS[1] + 1), 1e-3)  # another fingerprint
+    assert not pairs[1].lane_met(2, x.nbytes, WORDS, 1e-3)  # another operation
+    assert pairs[1].peer_lane(3) is None  # slot 1 holds nothing of operation 3
+    assert not pairs[0].lane_met(1, x.nbytes, WORDS, 1e-3)  # a rank reads its peer's segment, not its own
+    pairs[0].post(FLAG_WAITING, 1)  # the peer sleeps on this operation: the engine's path rings it
+    assert not pairs[1].lane_met(1, x.nbytes, WORDS, 1e-3)
+
+
+def test_a_slot_is_written_again_only_after_the_peer_read_it():
+    pairs = _pairs()
+    _post(pairs[0], 1, np.ones(2, np.float32))
+    _post(pairs[0], 2, np.ones(2, np.float32))  # the other slot: a rank one operation ahead posts at once
+    assert not pairs[0].lane_free(3)  # slot 1 still holds operation 1, unread
+    pairs[1].lane_taken(1)
+    assert pairs[0].lane_free(3) and not pairs[0].lane_free(4)
+    pairs[1].lane_taken(2)
+    assert pairs[0].lane_free(4)
+
+
+def test_reading_one_slot_ahead_of_the_other_frees_only_that_slot():
+    """Operations in flight together may read out of order: operation 4 (slot 0)
+    read before operation 3 (slot 1) must not let operation 5 overwrite slot 1."""
+    pairs = _pairs()
+    for seq in (1, 2):
+        _post(pairs[0], seq, np.ones(2, np.float32))
+        pairs[1].lane_taken(seq)
+    for seq in (3, 4):
+        _post(pairs[0], seq, np.ones(2, np.float32))
+    pairs[1].lane_taken(4)
+    assert pairs[0].lane_free(6) and not pairs[0].lane_free(5)
+    pairs[1].lane_taken(3)
+    assert pairs[0].lane_free(5)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_exchange_reduces_in_rank_order_and_says_what_it_did(rank):
+    """Both ranks compute in0 + in1 (bit-identical: rank 0's operand on the left).
+    The peer here posted first; a second exchange finds nothing and says POSTED;
+    a third, whose slot the peer has not read, says UNPOSTED."""
+    pairs = _pairs()
+    ins = [np.array([1e8, 1.0, -1e8, 3.5], np.float32) * (r + 1) + np.float32(r) / 3 for r in range(2)]
+    _post(pairs[1 - rank], 1, ins[1 - rank])
+    lane, out = Lane(pairs[rank], rank), np.full(4, np.nan, np.float32)
+    assert lane.exchange(1, ins[rank], out, "sum", WORDS) == DONE
+    assert out.tobytes() == (ins[0] + ins[1]).tobytes()
+    assert pairs[1 - rank].lane_free(3)  # read: the peer's slot 1 may take its operation 3
+    direct_ops_spin, direct_ops.PEER_SPIN_S = direct_ops.PEER_SPIN_S, 1e-3
+    try:
+        assert lane.exchange(2, ins[rank], out, "sum", WORDS) == POSTED
+        assert lane.exchange(4, ins[rank], out, "sum", WORDS) == UNPOSTED  # slot 0: operation 2, unread
+    finally:
+        direct_ops.PEER_SPIN_S = direct_ops_spin
+
+
+def test_the_lazy_record_has_the_operations_keys():
+    record = LaneRecord("all_reduce", 7, 8, 1.0, 1.5).stats()
+    assert record["algorithm"] == LaneAllReduceOp.algorithm == "direct_lane"
+    assert record["bytes_per_plane"] == {"up": 8, "out": 0} and record["duration_s"] == 0.5
+    keys = {"op", "seq", "duration_s", "t_start_wall", "bytes_per_plane", "algorithm", "channels", "policy",
+            "stages", "slept_for_peer", "rang_peer"}
+    assert set(record) == keys
+
+
+# -- between two processes ------------------------------------------------------
+def every_small_call(comm):
+    """Every op and dtype, in place and out of place, 0 to LANE_MAX_BYTES, 2-D too:
+    (case, algorithm, exact) rows, then the operation counter's growth."""
+    before = comm.metrics().get('operations_total{op="all_reduce"}', 0)
+    rows = []
+    for dtype in (np.float32, np.float64, np.int8, np.uint64, np.float16):
+        itemsize = np.dtype(dtype).itemsize
+        for count in (0, 1, 3, LANE_MAX_BYTES // itemsize):
+            ins = [((np.arange(count) % 5) + 1 + r).astype(dtype) for r in range(2)]
+            for op, fold in (("sum", np.add), ("prod", np.multiply), ("min", np.minimum), ("max", np.maximum)):
+                expected = fold(ins[0], ins[1]).astype(dtype)
+                for in_place in (False, True):
+                    x = ins[comm.rank].copy()
+                    got = comm.all_reduce(x, op=op) if in_place else comm.all_reduce(x, np.empty_like(x), op=op)
+                    rows.append(((str(np.dtype(dtype)), count, op, in_place), comm.last_stats()["algorithm"],
+                                 got.tobytes() == expected.tobytes() and (got is x) == in_place))
+    x = np.arange(12, dtype=np.float32).reshape(3, 4) * (comm.rank + 1)
+    rows.append((("2-D", 12, "avg", False), comm.last_stats()["algorithm"],
+                 bool(np.array_equal(comm.all_reduce(x, np.empty_like(x), op="avg"), x / (comm.rank + 1) * 1.5))))
+    counted = comm.metrics()['operations_total{op="all_reduce"}'] - before
+    return rows, counted
+
+
+def test_every_small_call_takes_the_lane_and_matches_numpy(pool):
+    for rows, counted in pool.run(every_small_call):
+        assert len(rows) == 5 * 4 * 4 * 2 + 1 and counted == len(rows)
+        wrong = [r for r in rows if r[1:] != ("direct_lane", True)]
+        assert not wrong, wrong
+
+
+def above_the_lane(comm):
+    x = np.ones(LANE_MAX_BYTES // 4 + 1, np.float32)
+    comm.all_reduce(x)
+    return comm.last_stats()["algorithm"], float(x[0])
+
+
+def test_a_call_above_the_lane_takes_the_halves(pool):
+    assert pool.run(above_the_lane) == [("direct_shm", 2.0)] * 2
+
+
+def async_calls_and_barriers(comm):
+    """Five async lane calls in flight (more than its two slots: the later ones post
+    once the peer read a slot), a barrier, then the waits in reverse."""
+    xs = [np.full(3, k + comm.rank, np.int64) for k in range(5)]
+    works = [comm.all_reduce(x, async_op=True) for x in xs]
+    comm.barrier()
+    results = [w.wait().tolist() for w in reversed(works)]
+    comm.barrier()
+    return results, comm.last_stats()["algorithm"], comm.last_stats()["op"]
+
+
+def test_async_calls_in_flight_use_both_slots_in_turn(pool):
+    for results, algorithm, op in pool.run(async_calls_and_barriers):
+        assert results == [[2 * k + 1] * 3 for k in reversed(range(5))]
+        assert (algorithm, op) == ("direct_lane", "barrier")
+
+
+def late_peer(comm, late_rank):
+    """``late_rank`` comes 0.3 s late: the early rank hands the call to the engine,
+    sleeps on its planes' events and is rung awake."""
+    import time
+
+    x = np.full(2, comm.rank + 1.0, np.float32)
+    comm.barrier()
+    if comm.rank == late_rank:
+        time.sleep(0.3)
+    cpu = time.process_time()
+    comm.all_reduce(x)
+    stats = comm.last_stats()
+    return time.process_time() - cpu, stats["algorithm"], stats["slept_for_peer"], stats["rang_peer"], x.tolist()
+
+
+@pytest.mark.parametrize("late_rank", [0, 1])
+def test_a_late_peer_is_met_without_spinning(pool, late_rank):
+    results = pool.run(late_peer, late_rank)
+    early, late = results[1 - late_rank], results[late_rank]
+    assert early[1:] == ("direct_lane", True, False, [3.0, 3.0]), early
+    assert late[1:] == ("direct_lane", False, True, [3.0, 3.0]), late
+    assert early[0] < 0.2, f"the early rank spent {early[0]:.2f} CPU seconds waiting 0.3 s"
+
+
+def always_sleeping(comm):
+    """PEER_SPIN_S = 0: a rank that does not find its peer at its first look
+    sleeps at once, so the ranks race through the flags and doorbells."""
+    direct_ops.PEER_SPIN_S = 0.0
+    exact = slept = 0
+    try:
+        for k in range(400):
+            x = np.array([k, comm.rank], np.int64)
+            exact += comm.all_reduce(x, np.empty_like(x)).tolist() == [2 * k, 1]
+            slept += comm.last_stats()["slept_for_peer"]
+    finally:
+        direct_ops.PEER_SPIN_S = 200e-6
+    return exact, slept
+
+
+def test_ranks_that_sleep_at_once_still_meet_every_time(pool):
+    results = pool.run(always_sleeping, timeout=120)
+    assert [r[0] for r in results] == [400, 400], results
+    assert sum(r[1] for r in results) > 0, results
+
+
+def without_fingerprints(comm):
+    x = np.array([comm.rank + 1.5], np.float64)
+    comm.all_reduce(x)
+    return comm.last_stats()["algorithm"], x.tolist()
+
+
+def test_the_lane_meets_without_fingerprints():
+    ranks = RankPool(2, env={"MPCCS_FINGERPRINT": "0"})
+    try:
+        assert ranks.run(without_fingerprints) == [("direct_lane", [4.0])] * 2
+    finally:
+        ranks.close()
