@@ -37,7 +37,7 @@ DIRECT_BLOCKS_MIN_BYTES = 640 << 10
 # segments where they are open (shm_steps.py). bench/results/shm/, two runs,
 # time without / with them: 1.05-1.08x at 384 KiB, 1.10-1.18x at 512 KiB,
 # 1.12-1.20x at 768 KiB-1.5 MiB, 1.04-1.05x below 2 MiB; at 256 KiB 0.95-1.01x
-# over four runs. The lane (lane_ops.py) now takes those calls up to its bound (1 MiB) first.
+# over four runs. The lane (lane_ops.py) takes the calls up to its bound (384 KiB, inclusive) first.
 DIRECT_SHM_MIN_BYTES = 384 << 10
 # Above this, where the pair allows cross-memory reads, the halves are read from
 # the peer's buffers (cma_steps.py) instead of copied through the outboxes, up to

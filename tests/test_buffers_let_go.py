@@ -67,7 +67,7 @@ DIRECT_CASES = [
     (("all_reduce", 8, False, False), "direct_lane"),  # through the lane, no Operation (lane_ops.py)
     (("all_reduce", 64 * KIB, True, False), "direct_lane"),
     (("all_reduce", 256 * KIB, False, True), "direct_lane"),  # the lane's Operation (async)
-    (("all_reduce", 3 * MIB // 2, False, False), "direct_shm"),  # the segments' outboxes
+    (("all_reduce", 1 * MIB, False, False), "direct_shm"),  # the segments' outboxes
     (("all_reduce", 4 * MIB, False, False), "direct_shm"),  # reads across processes, where the pair allows
     (("all_reduce", 4 * MIB, True, True), "direct_shm"),
     (("reduce_scatter", 4 * MIB, False, False), "direct_shm"),

@@ -146,7 +146,7 @@ def segments_of(comm):
 
 def async_calls_in_flight(comm):
     """Three async all_reduces through the segments at once, then waited on in reverse."""
-    n = 300_003  # above the lane
+    n = 200_003  # above the lane
     xs = [np.arange(n, dtype=np.float32) * (k + 1) + comm.rank for k in range(3)]
     outs = [np.empty(n, np.float32) for _ in range(3)]
     works = [comm.all_reduce(x, out, async_op=True) for x, out in zip(xs, outs)]
@@ -186,7 +186,7 @@ def test_a_late_peer_costs_no_spinning(pool):
 
 def every_op_through_the_segments(comm):
     """sum, prod, min, max and avg through the segments, out of place and in place, against numpy."""
-    n = 300_001  # 1.2 MB of float32: above the lane (lane_ops.py), odd halves
+    n = 150_001  # 600 KB of float32: above the lane (lane_ops.py), odd halves
     rows = []
     for dtype in (np.float32, np.int32):
         ins = [((np.arange(n) % 5) + 1 + r).astype(dtype) for r in range(2)]

@@ -77,12 +77,15 @@ FLAG_WAITING = 3  # I sleep until you ring for seq
 FLAG_LANE_TAKEN = 4  # + slot: I have read your payload of operation seq in that lane slot
 # The lane: two slots, so that a rank one operation ahead of its peer need not wait to post.
 # The largest payload (lane_ops.takes_lane chooses the calls). 2 ranks, default planes,
-# float32, policy 'up', the lane against the paths it replaced, two runs: 24-28 us
-# against 27-28 at 4 KiB (the direct path's inline message was 57-73 us before the
-# lane's own loop), 36 / 150-170 at 8 KiB, 50-54 / 149-163 at 64 KiB, 85-92 / 197-220
-# at 256 KiB, 149-167 / 171-195 at 512 KiB (the outboxes' halves), 296-299 / 322-335
-# at 1 MiB; at 2 MiB 688-694 / 578-579, so not there.
-LANE_MAX_BYTES = 1 << 20
+# float32, the lane against the paths it replaced (the direct path's UCX messages below
+# 384 KiB, the outboxes' halves from there), us. Five calls back to back after a barrier,
+# three alternating rounds (bench/results/lane_s27/, lane_bound_s27/): 11-29 / 42-64 at 8 B,
+# 20-24 / 103-125 at 8 KiB, 33-39 / 107-134 at 64 KiB, 67-76 / 152-167 at 256 KiB,
+# 115-132 / 189-195 at 383 KiB, 93-104 / 120-132 at 384 KiB (the halves), 128-138 / 131-141
+# at 448 KiB, 160-180 / 139-151 at 512 KiB, 379-392 / 271-298 at 1 MiB. One call per
+# barrier (mpccs-perf, policy 'up', two runs) the lane still won at 512 KiB-1 MiB
+# (149-167 / 171-195, 296-299 / 322-335), but a loop's calls come back to back.
+LANE_MAX_BYTES = 384 << 10
 LANE_META_BYTES = 64  # a slot's first words: the sequence number of the payload in it, its byte count
 LANE_SLOTS, LANE_SLOT_BYTES = 2, LANE_META_BYTES + LANE_MAX_BYTES
 LANE_AT = HEADER_BYTES
