@@ -798,13 +798,19 @@ class Communicator:
                 self._last_stats = LaneRecord(name, seq, send.nbytes, t_start, time.perf_counter())
                 return result
             posted = outcome == LANE_POSTED
-        lane_op = LaneAllReduceOp(engine, seq, send, out, op, self.size, fp, finalize, name, posted=posted)
-        if async_op or engine.active:
-            return self._submit(lane_op, result, async_op)
+        lane_op = LaneAllReduceOp(engine, seq, send, out, op, self.size, fp, finalize, name, lane=self._lane,
+                                  posted=posted)
         lane_op.on_finish.append(self._record)
-        if not lane_op.run_alone():
+        if async_op or engine.active:
+            lane_op.advance()  # one look: a peer already there finishes it now
+        elif lane_op.run_alone():
+            self._wait_usable(lane_op, None)  # (raises its error, aborting where due)
+            return result
+        if not lane_op.finished:
             engine.submit(lane_op)
-        self._wait_usable(lane_op, None)  # (finished: raises its error, aborting where due)
+        if async_op:
+            return Work(self, lane_op, result)
+        self._wait_usable(lane_op, None)
         return result
 
     def _through_segments(self, send: np.ndarray) -> bool:

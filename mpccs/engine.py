@@ -431,6 +431,9 @@ class Engine:
         ALONE_SPINS rounds: then _drive takes over, with its stall watch. Only
         the planes its messages use (a tcp plane's progress is ~1 us of nothing
         for an operation on shared memory)."""
+        if op.run_alone():
+            self.active.remove(op)
+            return
         planes = op.spin_planes or tuple(self.planes.values())
         for _ in range(ALONE_SPINS):
             for plane in planes:

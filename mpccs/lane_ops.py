@@ -67,21 +67,32 @@ class Lane:
         pair = self.pair
         if not pair.lane_free(seq):
             return UNPOSTED
+        self.post(seq, send, words)
+        if not pair.lane_met(seq, send.nbytes, words, direct_ops.PEER_SPIN_S):
+            return POSTED
+        self.take(seq, send, out, op)
+        return DONE
+
+    def post(self, seq: int, send: np.ndarray, words: tuple[int, int]) -> None:
+        """Copy ``send`` into operation ``seq``'s slot and publish it (ShmPair.lane_free first)."""
+        self._views_of(seq, send)[0][...] = send
+        self.pair.post_lane(seq, send.nbytes, words)
+
+    def take(self, seq: int, send: np.ndarray, out: np.ndarray, op: str) -> None:
+        """Once the peer's payload for ``seq`` is there and matched: reduce in rank order into ``out``."""
+        theirs = self._views_of(seq, send)[1]
+        left, right = (send, theirs) if self.rank == 0 else (theirs, send)
+        reduce_to(out, left, right, op)
+        self.pair.lane_taken(seq)
+
+    def _views_of(self, seq: int, send: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         key = (seq % LANE_SLOTS, send.dtype, send.size)
         views = self._views.get(key)
         if views is None:
             if len(self._views) >= LANE_VIEWS_KEPT:
                 self._views.clear()
-            views = self._views[key] = pair.lane_views(seq, send.dtype, send.size)
-        mine, theirs = views
-        mine[...] = send
-        pair.post_lane(seq, send.nbytes, words)
-        if not pair.lane_met(seq, send.nbytes, words, direct_ops.PEER_SPIN_S):
-            return POSTED
-        left, right = (send, theirs) if self.rank == 0 else (theirs, send)
-        reduce_to(out, left, right, op)
-        pair.lane_taken(seq)
-        return DONE
+            views = self._views[key] = self.pair.lane_views(seq, send.dtype, send.size)
+        return views
 
 
 class LaneRecord:
@@ -112,16 +123,17 @@ class LaneAllReduceOp(DirectShmAllReduceOp):
     the slot (FLAG_LANE_TAKEN + slot). A slot is written again only after that
     (ShmPair.lane_free), so a rank one operation ahead never overwrites what
     its peer has yet to read. ``posted``: Lane.exchange posted it already.
+    ``lane``: the communicator's Lane, whose copies and reduction it shares.
 
-    run_alone() drives it without the engine while the caller blocks on it
-    alone."""
+    run_alone() drives it without the planes while it is alone in the engine
+    (Engine.wait, the communicator's blocking call)."""
 
     algorithm = "direct_lane"
 
     def __init__(self, engine, seq, send: np.ndarray, out: np.ndarray, op: str, world: int,
                  fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,
-                 name: str = "all_reduce", posted: bool = False):
-        self._posted = posted
+                 name: str = "all_reduce", *, lane: Lane, posted: bool = False):
+        self._posted, self._lane, self._words = posted, lane, fingerprint_words(fingerprint)
         super().__init__(engine, seq, send, out, op, world, fingerprint, finalize, name)
 
     def _start_steps(self) -> bool:
@@ -139,8 +151,7 @@ class LaneAllReduceOp(DirectShmAllReduceOp):
             return False
         if unposted:
             unposted.pop(0)
-        self._pair.lane_views(self.seq, self.mine.dtype, self.mine.size)[0][...] = self.mine
-        self._pair.post_lane(self.seq, self.mine.nbytes, fingerprint_words(self.fingerprint))
+        self._lane.post(self.seq, self.mine, self._words)
         self._posted = True
         return True
 
@@ -148,9 +159,13 @@ class LaneAllReduceOp(DirectShmAllReduceOp):
         if not self._posted and not self._start_steps():
             return False
         if not self._met:
-            if not self._meet_peer():
+            if self._pair.lane_ready(self.seq, self.mine.nbytes, self._words):  # the common case: one look
+                self._met = True
+            elif not self._meet_peer():  # mismatches, sleep and doorbells
                 return False
-            self._reduce()
+            else:
+                self._check_peer_slot()
+            self._lane.take(self.seq, self.mine, self.out, self.op)
         if not all(r.completed for r in self._doorbells):
             return True
         for req in self._doorbells:
@@ -160,16 +175,14 @@ class LaneAllReduceOp(DirectShmAllReduceOp):
         self._finish()
         return True
 
-    def _reduce(self) -> None:
+    def _check_peer_slot(self) -> None:
+        """The peer's fingerprint matched (without fingerprints: the peer reached this
+        operation): its slot must hold this operation's payload, of this size."""
         theirs = self._pair.peer_lane(self.seq)
         if theirs is None or theirs.size != self.mine.nbytes:
             got = "another operation's" if theirs is None else f"{theirs.size} bytes"
             raise ProtocolError(f"rank {self.peer}'s lane slot for operation #{self.seq} holds {got}, not "
                                 f"{self.mine.nbytes} bytes", rank=self.engine.rank, peer=self.peer, op=self.name)
-        theirs = theirs.view(self.mine.dtype)
-        left, right = (self.mine, theirs) if self.engine.rank == 0 else (theirs, self.mine)
-        reduce_to(self.out, left, right, self.op)
-        self._pair.lane_taken(self.seq)
 
     def _fail(self, exc: BaseException) -> None:
         if self in self.engine.lane_unposted:

@@ -75,6 +75,12 @@ class Operation:
         result it returns. Never after a failure, where UCX may still hold them
         (Engine.park)."""
 
+    def run_alone(self) -> bool:
+        """Drive it without the planes for a moment, where that can finish it (an
+        operation that waits on memory only: lane_ops.LaneAllReduceOp); True once
+        finished. Engine.wait calls it for an operation alone in the engine."""
+        return False
+
     def stalled_for(self, now: float) -> float:
         return now - self.last_progress
 

@@ -215,9 +215,15 @@ class ShmPair:
             spins += 1
             if not spins & 63 and time.perf_counter() > deadline:  # (the clock costs twice a look)
                 return False
+        return self.lane_ready(seq, nbytes, words)
+
+    def lane_ready(self, seq: int, nbytes: int, words: tuple[int, int]) -> bool:
+        """One look for what lane_met polls for."""
+        peer = self.peer_words
+        entry = FP_RING_AT + seq % FP_RING * FP_WORDS
         meta = LANE_META_AT + seq % LANE_SLOTS * LANE_SLOT_WORDS
-        return (peer[entry] == words[0] and peer[entry + 1] == words[1] and peer[meta] == seq
-                and peer[meta + 1] == nbytes and peer[FLAG_WAITING] != seq)
+        return (peer[entry + 2] == seq and peer[entry] == words[0] and peer[entry + 1] == words[1]
+                and peer[meta] == seq and peer[meta + 1] == nbytes and peer[FLAG_WAITING] != seq)
 
     def peer_lane(self, seq: int) -> Optional[np.ndarray]:
         """The peer's lane payload of operation ``seq`` (a view of its slot's bytes), once
