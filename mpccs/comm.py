@@ -25,8 +25,8 @@ from .direct_ops import (DIRECT_BLOCKS_MIN_BYTES, DIRECT_CMA_BLOCK_BYTES, DIRECT
                          DirectReduceScatterOp, DirectShmAllReduceOp, DirectShmBlocksOp)
 from .engine import Engine
 from .flows import Splitter
-from .lane_ops import DONE as LANE_DONE, POSTED as LANE_POSTED, LANE_COLLECTIVES, Lane, LaneAllReduceOp, LaneRecord, \
-    fingerprint_words, takes_lane
+from .lane_ops import DONE as LANE_DONE, POSTED as LANE_POSTED, Lane, LaneOp, LaneRecord, fingerprint_words, lane_parts, \
+    takes_lane
 from .operation import Operation
 from .p2p_ops import RecvOp, SendOp
 from .errors import CommunicatorAborted, ConfigError, MismatchError, MpccsError, TransportError
@@ -764,8 +764,8 @@ class Communicator:
         # Always the control plane (scale-up where it reaches): both ends must
         # agree on the plane without a round trip, and plane state (a plane
         # down, rejoining) may differ between ranks for a moment.
-        if name in LANE_COLLECTIVES and takes_lane(self._engine.shm, send.nbytes):
-            return self._run_lane(name, send, out, op, result, async_op, finalize)
+        if takes_lane(self._engine.shm, name, send):
+            return self._run_lane(name, send, out, op, result, async_op, finalize, root)
         kind = DIRECT_OPS.get(name, DirectAllReduceOp)  # all_reduce and barrier: DirectAllReduceOp
         if name == "all_reduce" and self._through_segments(send):
             kind = DirectShmAllReduceOp
@@ -780,26 +780,27 @@ class Communicator:
         dop = kind(self._engine, self._next_seq(), send, out, op, self.size, fp, finalize, name, **extra)
         return self._submit(dop, result, async_op)
 
-    def _run_lane(self, name, send, out, op, result, async_op, finalize):
+    def _run_lane(self, name, send, out, op, result, async_op, finalize, root):
         """A 2-rank call through the lane (lane_ops): a blocking call with nothing
         else in flight exchanges by itself (Lane.exchange: no Operation, its
         record built only if asked); whatever that does not finish, an operation
         takes over, posted or not, run alone first where it can be."""
-        fp = fingerprint.make(name, op, send.dtype, LaneAllReduceOp.algorithm, None, 0, send.size) \
+        fp = fingerprint.make(name, op, send.dtype, LaneOp.algorithm, root, 0, send.size) \
             if self.options.fingerprint else None
         seq, engine, posted = self._next_seq(), self._engine, False
+        parts = lane_parts(name, send, self.rank, root)
         if not async_op and not engine.active and self._records_light():
             t_start = time.perf_counter()
-            outcome = self._lane.exchange(seq, send, out, op, fingerprint_words(fp))
+            outcome = self._lane.exchange(seq, name, send, out, op, root, parts, fingerprint_words(fp))
             if outcome == LANE_DONE:
                 if finalize is not None:
                     finalize()
-                self._telemetry.counters.count_light(name, {UP: send.nbytes, OUT: 0})
-                self._last_stats = LaneRecord(name, seq, send.nbytes, t_start, time.perf_counter())
+                self._telemetry.counters.count_light(name, {UP: parts[0].nbytes, OUT: 0})
+                self._last_stats = LaneRecord(name, seq, parts[0].nbytes, t_start, time.perf_counter())
                 return result
             posted = outcome == LANE_POSTED
-        lane_op = LaneAllReduceOp(engine, seq, send, out, op, self.size, fp, finalize, name, lane=self._lane,
-                                  posted=posted)
+        lane_op = LaneOp(engine, seq, send, out, op, self.size, fp, finalize, name, lane=self._lane, parts=parts,
+                         root=root, posted=posted)
         lane_op.on_finish.append(self._record)
         if async_op or engine.active:
             lane_op.advance()  # one look: a peer already there finishes it now

@@ -1,23 +1,28 @@
-"""The lane: a 2-rank all_reduce of at most LANE_MAX_BYTES (and the barrier)
-whole through the shared-memory segments, with nothing but a copy, a
-fingerprint entry and a flag on its way (transports/shm.py, "the lane").
+"""The lane: a 2-rank collective whose every rank publishes at most
+LANE_MAX_BYTES (all_reduce, reduce_scatter, all_gather, all_to_all,
+broadcast, reduce, and the barrier) whole through the shared-memory
+segments, with nothing but a copy, a fingerprint entry and a flag on its way
+(transports/shm.py, "the lane").
 
 Why: the 8-byte all_reduce is the latency figure, and on the direct path it
 was ~30 pieces of Python of 1-15 us each (two UCX requests, a pooled buffer,
 the engine's loop). Two processes exchanging 8 bytes by hand through a
 shared page take ~7 us a call on the same host. From 8 KiB the direct
 path's messages each took a UCX rendezvous (measured: transports/shm.py,
-LANE_MAX_BYTES). The lane keeps what the
-direct path guarantees: the fingerprint travels with the payload (a peer
-that called anything else gets a MismatchError, in the segments or by its
-fingerprint message), a late or lost peer hands the operation to the engine
-(its sleep, stall watch, aborts and timeouts), async_op works, and the
-operation is counted like any other.
+LANE_MAX_BYTES). The lane keeps what the direct path guarantees: the
+fingerprint travels with the payload (a peer that called anything else gets
+a MismatchError, in the segments or by its fingerprint message), a late or
+lost peer hands the operation to the engine (its sleep, stall watch, aborts
+and timeouts), async_op works, and the operation is counted like any other.
 
-Two ways to run one, the same on the wire: Lane.exchange, the common case
+Two ways to run one, the same in memory: Lane.exchange, the common case
 without an Operation (a blocking call, nothing else in flight, the peer
-there within PEER_SPIN_S with the same fingerprint), and LaneAllReduceOp for
+there within PEER_SPIN_S with the same fingerprint), and LaneOp for
 everything else, which takes over an exchange that did not finish.
+
+Each collective is what a rank publishes and what it does with its peer's
+payload (lane_parts, combine): rank 0's operand always on the left of a
+reduction, so both ranks' results are bit-identical to every other path's.
 """
 from __future__ import annotations
 
@@ -35,18 +40,56 @@ from .telemetry import wall
 from .transports.shm import LANE_MAX_BYTES, LANE_SLOTS
 from .windows import OUT, UP
 
-LANE_COLLECTIVES = ("all_reduce", "barrier")
+LANE_COLLECTIVES = frozenset(("all_reduce", "barrier", "reduce_scatter", "all_gather", "all_to_all", "broadcast",
+                              "reduce"))
+_HALVES = ("reduce_scatter", "all_to_all")  # each rank publishes the block its peer owns
 NO_WORDS = (0, 0)  # fingerprints off: the meeting alone
 # Lane.exchange's outcomes: finished; nothing posted (the slot's last payload
-# not yet read by the peer); posted but not finished (LaneAllReduceOp takes it).
+# not yet read by the peer); posted but not finished (LaneOp takes it).
 DONE, UNPOSTED, POSTED = range(3)
 LANE_VIEWS_KEPT = 256  # slot views kept by Lane (call shapes of a loop: a few)
 
 
-def takes_lane(pair, nbytes: int) -> bool:
-    """Whether a 2-rank all_reduce of ``nbytes`` goes through the lane: the same
-    answer on both ranks (the segments are open on both or neither)."""
-    return pair is not None and nbytes <= LANE_MAX_BYTES
+def takes_lane(pair, name: str, send: np.ndarray) -> bool:
+    """Whether a 2-rank call goes through the lane: the segments open (on both
+    ranks or neither) and what a rank of it publishes at most within the
+    bound, a rank-independent size (a broadcast's root publishes the buffer,
+    the other rank nothing: the bound applies to the buffer)."""
+    if pair is None or name not in LANE_COLLECTIVES:
+        return False
+    return (send.nbytes // 2 if name in _HALVES else send.nbytes) <= LANE_MAX_BYTES
+
+
+def lane_parts(name: str, send: np.ndarray, rank: int, root) -> tuple[np.ndarray, int]:
+    """What this rank publishes, and how many elements of its peer's payload it reads."""
+    if name in _HALVES:
+        half = send.size // 2
+        return send[(1 - rank) * half:(2 - rank) * half], half
+    if name == "broadcast":
+        return (send, 0) if rank == root else (send[:0], send.size)
+    if name == "reduce":
+        return (send[:0], send.size) if rank == root else (send, 0)
+    return send, send.size  # all_reduce, barrier, all_gather
+
+
+def combine(name: str, send: np.ndarray, out: np.ndarray, theirs: np.ndarray, op: str, rank: int, root) -> None:
+    """This rank's result from its input and its peer's payload."""
+    if name in ("all_reduce", "barrier") or (name == "reduce" and rank == root):
+        left, right = (send, theirs) if rank == 0 else (theirs, send)
+        reduce_to(out, left, right, op)
+    elif name == "reduce_scatter":
+        half = send.size // 2
+        own = send[rank * half:(rank + 1) * half]
+        left, right = (own, theirs) if rank == 0 else (theirs, own)
+        reduce_to(out, left, right, op)
+    elif name in ("all_gather", "all_to_all"):
+        n, peer = theirs.size, 1 - rank
+        out[peer * n:(peer + 1) * n] = theirs
+        own = send[rank * n:(rank + 1) * n] if name == "all_to_all" else send
+        if not np.may_share_memory(own, out):  # (an in-place all_gather's input is its own block already)
+            out[rank * n:(rank + 1) * n] = own
+    elif name == "broadcast" and rank != root:
+        out[...] = theirs
 
 
 def fingerprint_words(fingerprint: Optional[Fingerprint]) -> tuple[int, int]:
@@ -54,50 +97,50 @@ def fingerprint_words(fingerprint: Optional[Fingerprint]) -> tuple[int, int]:
 
 
 class Lane:
-    """The common case of a lane operation, run by the communicator without an
-    Operation: copy the input into the slot, publish, poll for the peer's
-    entry for at most PEER_SPIN_S, reduce in rank order from its slot."""
+    """The lane's copies and reductions for one communicator, and its common
+    case run without an Operation: publish, poll for the peer's entry for at
+    most PEER_SPIN_S, combine from the peer's slot."""
 
     def __init__(self, pair, rank: int):
         self.pair, self.rank = pair, rank
         self._views: dict = {}  # (slot, dtype, count) -> the slot views (ShmPair.lane_views)
 
-    def exchange(self, seq: int, send: np.ndarray, out: np.ndarray, op: str, words: tuple[int, int]) -> int:
-        """DONE (out holds the reduction), UNPOSTED or POSTED (module docstring)."""
+    def exchange(self, seq: int, name: str, send: np.ndarray, out: np.ndarray, op: str, root,
+                 parts: tuple[np.ndarray, int], words: tuple[int, int]) -> int:
+        """DONE (out holds the result), UNPOSTED or POSTED (module docstring); ``parts``: lane_parts'."""
         pair = self.pair
         if not pair.lane_free(seq):
             return UNPOSTED
-        self.post(seq, send, words)
-        if not pair.lane_met(seq, send.nbytes, words, direct_ops.PEER_SPIN_S):
+        posted, count = parts
+        self.post(seq, posted, words)
+        if not pair.lane_met(seq, count * send.itemsize, words, direct_ops.PEER_SPIN_S):
             return POSTED
-        self.take(seq, send, out, op)
+        self.take(seq, name, send, out, op, root, count)
         return DONE
 
-    def post(self, seq: int, send: np.ndarray, words: tuple[int, int]) -> None:
-        """Copy ``send`` into operation ``seq``'s slot and publish it (ShmPair.lane_free first)."""
-        self._views_of(seq, send)[0][...] = send
-        self.pair.post_lane(seq, send.nbytes, words)
+    def post(self, seq: int, payload: np.ndarray, words: tuple[int, int]) -> None:
+        """Copy ``payload`` into operation ``seq``'s slot and publish it (ShmPair.lane_free first)."""
+        self._views_of(seq, payload.dtype, payload.size)[0][...] = payload
+        self.pair.post_lane(seq, payload.nbytes, words)
 
-    def take(self, seq: int, send: np.ndarray, out: np.ndarray, op: str) -> None:
-        """Once the peer's payload for ``seq`` is there and matched: reduce in rank order into ``out``."""
-        theirs = self._views_of(seq, send)[1]
-        left, right = (send, theirs) if self.rank == 0 else (theirs, send)
-        reduce_to(out, left, right, op)
+    def take(self, seq: int, name: str, send: np.ndarray, out: np.ndarray, op: str, root, count: int) -> None:
+        """Once the peer's payload for ``seq`` (``count`` elements) is there and matched: combine, free its slot."""
+        combine(name, send, out, self._views_of(seq, send.dtype, count)[1], op, self.rank, root)
         self.pair.lane_taken(seq)
 
-    def _views_of(self, seq: int, send: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        key = (seq % LANE_SLOTS, send.dtype, send.size)
+    def _views_of(self, seq: int, dtype, count: int) -> tuple[np.ndarray, np.ndarray]:
+        key = (seq % LANE_SLOTS, dtype, count)
         views = self._views.get(key)
         if views is None:
             if len(self._views) >= LANE_VIEWS_KEPT:
                 self._views.clear()
-            views = self._views[key] = self.pair.lane_views(seq, send.dtype, send.size)
+            views = self._views[key] = self.pair.lane_views(seq, dtype, count)
         return views
 
 
 class LaneRecord:
     """What last_stats() shows for an operation Lane.exchange ran: the same
-    keys as LaneAllReduceOp.stats(), built only when asked."""
+    keys as LaneOp.stats(), built only when asked."""
 
     __slots__ = ("name", "seq", "nbytes", "t_start", "t_end")
 
@@ -107,23 +150,23 @@ class LaneRecord:
     def stats(self) -> dict:
         return {"op": self.name, "seq": self.seq, "duration_s": self.t_end - self.t_start,
                 "t_start_wall": wall(self.t_start), "bytes_per_plane": {UP: self.nbytes, OUT: 0},
-                "algorithm": LaneAllReduceOp.algorithm, "channels": 1, "policy": "direct", "stages": [],
+                "algorithm": LaneOp.algorithm, "channels": 1, "policy": "direct", "stages": [],
                 "slept_for_peer": False, "rang_peer": False}
 
 
-class LaneAllReduceOp(DirectShmAllReduceOp):
-    """One 2-rank all_reduce of at most LANE_MAX_BYTES through the lane.
+class LaneOp(DirectShmAllReduceOp):
+    """One 2-rank collective through the lane.
 
-    Each rank puts its input in its lane slot and publishes its fingerprint in
-    the ring after it (ShmPair.post_lane). Once the peer's entry for this
-    operation is there and matches (DirectShmAllReduceOp._meet_peer: past
-    PEER_SPIN_S it sleeps and looks for a fingerprint message, as there),
-    each reduces in rank order, in0 op in1, from the peer's slot straight
-    into its output (bit-identical on both ranks), and tells the peer it read
-    the slot (FLAG_LANE_TAKEN + slot). A slot is written again only after that
-    (ShmPair.lane_free), so a rank one operation ahead never overwrites what
-    its peer has yet to read. ``posted``: Lane.exchange posted it already.
-    ``lane``: the communicator's Lane, whose copies and reduction it shares.
+    Each rank puts what it publishes (lane_parts) in its lane slot and its
+    fingerprint in the ring after it (ShmPair.post_lane). Once the peer's
+    entry for this operation is there and matches (DirectShmAllReduceOp's
+    meeting: past PEER_SPIN_S it sleeps and looks for a fingerprint message,
+    as there), each combines from the peer's slot straight into its output
+    and tells the peer it read the slot (FLAG_LANE_TAKEN + slot). A slot is
+    written again only after that (ShmPair.lane_free), so a rank one
+    operation ahead never overwrites what its peer has yet to read.
+    ``posted``: Lane.exchange posted it already. ``lane``: the
+    communicator's Lane, whose copies and views it shares.
 
     run_alone() drives it without the planes while it is alone in the engine
     (Engine.wait, the communicator's blocking call)."""
@@ -132,9 +175,13 @@ class LaneAllReduceOp(DirectShmAllReduceOp):
 
     def __init__(self, engine, seq, send: np.ndarray, out: np.ndarray, op: str, world: int,
                  fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,
-                 name: str = "all_reduce", *, lane: Lane, posted: bool = False):
+                 name: str = "all_reduce", *, lane: Lane, parts: tuple[np.ndarray, int], root=None,
+                 posted: bool = False):
         self._posted, self._lane, self._words = posted, lane, fingerprint_words(fingerprint)
+        self._payload, self._count = parts
+        self.root = root
         super().__init__(engine, seq, send, out, op, world, fingerprint, finalize, name)
+        self.bytes_per_plane[UP] = self._payload.nbytes
 
     def _start_steps(self) -> bool:
         """Post the payload once the slot is free (its earlier payload read by the
@@ -151,7 +198,7 @@ class LaneAllReduceOp(DirectShmAllReduceOp):
             return False
         if unposted:
             unposted.pop(0)
-        self._lane.post(self.seq, self.mine, self._words)
+        self._lane.post(self.seq, self._payload, self._words)
         self._posted = True
         return True
 
@@ -159,13 +206,13 @@ class LaneAllReduceOp(DirectShmAllReduceOp):
         if not self._posted and not self._start_steps():
             return False
         if not self._met:
-            if self._pair.lane_ready(self.seq, self.mine.nbytes, self._words):  # the common case: one look
+            if self._pair.lane_ready(self.seq, self._count * self.mine.itemsize, self._words):  # one look
                 self._met = True
             elif not self._meet_peer():  # mismatches, sleep and doorbells
                 return False
             else:
                 self._check_peer_slot()
-            self._lane.take(self.seq, self.mine, self.out, self.op)
+            self._lane.take(self.seq, self.name, self.mine, self.out, self.op, self.root, self._count)
         if not all(r.completed for r in self._doorbells):
             return True
         for req in self._doorbells:
@@ -177,12 +224,16 @@ class LaneAllReduceOp(DirectShmAllReduceOp):
 
     def _check_peer_slot(self) -> None:
         """The peer's fingerprint matched (without fingerprints: the peer reached this
-        operation): its slot must hold this operation's payload, of this size."""
-        theirs = self._pair.peer_lane(self.seq)
-        if theirs is None or theirs.size != self.mine.nbytes:
+        operation): its slot must hold this operation's payload, of the size expected."""
+        theirs, expected = self._pair.peer_lane(self.seq), self._count * self.mine.itemsize
+        if theirs is None or theirs.size != expected:
             got = "another operation's" if theirs is None else f"{theirs.size} bytes"
             raise ProtocolError(f"rank {self.peer}'s lane slot for operation #{self.seq} holds {got}, not "
-                                f"{self.mine.nbytes} bytes", rank=self.engine.rank, peer=self.peer, op=self.name)
+                                f"{expected} bytes", rank=self.engine.rank, peer=self.peer, op=self.name)
+
+    def _let_go_of_arrays(self) -> None:
+        super()._let_go_of_arrays()
+        self._payload = None
 
     def _fail(self, exc: BaseException) -> None:
         if self in self.engine.lane_unposted:
@@ -190,10 +241,10 @@ class LaneAllReduceOp(DirectShmAllReduceOp):
         super()._fail(exc)
 
     def run_alone(self) -> bool:
-        """Spin on the peer's entry without the engine, for at most PEER_SPIN_S
+        """Spin on the peer's entry without the planes, for at most PEER_SPIN_S
         (as the engine's polling would) and not past a doorbell to ring (a UCX
         send: the engine's to progress). True once finished, with or without an
-        error; else the caller submits it to the engine, which takes it from here."""
+        error; else the engine takes it from here."""
         deadline = time.perf_counter() + direct_ops.PEER_SPIN_S
         while not self.finished and not self._doorbells:
             self.advance()

@@ -77,7 +77,7 @@ class Operation:
 
     def run_alone(self) -> bool:
         """Drive it without the planes for a moment, where that can finish it (an
-        operation that waits on memory only: lane_ops.LaneAllReduceOp); True once
+        operation that waits on memory only: lane_ops.LaneOp); True once
         finished. Engine.wait calls it for an operation alone in the engine."""
         return False
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mpccs import direct_ops
-from mpccs.lane_ops import DONE, POSTED, UNPOSTED, Lane, LaneAllReduceOp, LaneRecord
+from mpccs.lane_ops import DONE, POSTED, UNPOSTED, Lane, LaneOp, LaneRecord, combine, lane_parts, takes_lane
 from mpccs.transports import shm
 from mpccs.transports.shm import FLAG_WAITING, LANE_MAX_BYTES, SEGMENT_BYTES, ShmPair
 from rankpool import RankPool
@@ -87,20 +87,99 @@ def test_exchange_reduces_in_rank_order_and_says_what_it_did(rank):
     ins = [np.array([1e8, 1.0, -1e8, 3.5], np.float32) * (r + 1) + np.float32(r) / 3 for r in range(2)]
     _post(pairs[1 - rank], 1, ins[1 - rank])
     lane, out = Lane(pairs[rank], rank), np.full(4, np.nan, np.float32)
-    assert lane.exchange(1, ins[rank], out, "sum", WORDS) == DONE
+
+    def exchange(seq):
+        parts = lane_parts("all_reduce", ins[rank], rank, None)
+        return lane.exchange(seq, "all_reduce", ins[rank], out, "sum", None, parts, WORDS)
+
+    assert exchange(1) == DONE
     assert out.tobytes() == (ins[0] + ins[1]).tobytes()
     assert pairs[1 - rank].lane_free(3)  # read: the peer's slot 1 may take its operation 3
     direct_ops_spin, direct_ops.PEER_SPIN_S = direct_ops.PEER_SPIN_S, 1e-3
     try:
-        assert lane.exchange(2, ins[rank], out, "sum", WORDS) == POSTED
-        assert lane.exchange(4, ins[rank], out, "sum", WORDS) == UNPOSTED  # slot 0: operation 2, unread
+        assert exchange(2) == POSTED
+        assert exchange(4) == UNPOSTED  # slot 0: operation 2, unread
     finally:
         direct_ops.PEER_SPIN_S = direct_ops_spin
 
 
+def _two_ranks(name, ins, outs, root=None, op="sum"):
+    """Both ranks' lane_parts and combine, each fed the other's payload as posted
+    (copied into its slot before either combines)."""
+    parts = [lane_parts(name, ins[r], r, root) for r in range(2)]
+    slots = [posted.copy() for posted, _ in parts]
+    for r in range(2):
+        theirs, wanted = slots[1 - r], parts[r][1]  # the peer's slot; what this rank reads of it
+        assert theirs.size == wanted
+        combine(name, ins[r], outs[r], theirs, op, r, root)
+    return [p[0].nbytes for p in parts]
+
+
+def _inputs(n, dtype=np.float32):
+    return [np.array([1e8, 1.0, -1e8, 3.5] * n, dtype)[:n] * (r + 1) + dtype(r) / 3 for r in range(2)]
+
+
+def test_every_collective_combines_in_rank_order():
+    """What each rank publishes and makes of its peer's payload, both ranks in this
+    process, against numpy (rank 0's operand on the left: bit-identical results)."""
+    n = 6
+    ins = _inputs(2 * n)
+    outs = [np.full(2 * n, np.nan, np.float32) for _ in range(2)]
+    assert _two_ranks("all_reduce", ins, outs) == [ins[0].nbytes] * 2
+    assert all(o.tobytes() == (ins[0] + ins[1]).tobytes() for o in outs)
+    outs = [np.full(n, np.nan, np.float32) for _ in range(2)]
+    assert _two_ranks("reduce_scatter", ins, outs) == [n * 4] * 2  # each publishes the block its peer owns
+    for r in range(2):
+        assert outs[r].tobytes() == (ins[0][r * n:(r + 1) * n] + ins[1][r * n:(r + 1) * n]).tobytes()
+    outs = [np.full(4 * n, np.nan, np.float32) for _ in range(2)]
+    _two_ranks("all_gather", ins, outs)
+    assert all(np.array_equal(o, np.concatenate(ins)) for o in outs)
+    outs = [np.full(2 * n, np.nan, np.float32) for _ in range(2)]
+    _two_ranks("all_to_all", ins, outs)
+    for r in range(2):
+        assert np.array_equal(outs[r], np.concatenate([ins[0][r * n:(r + 1) * n], ins[1][r * n:(r + 1) * n]]))
+    for root in (0, 1):
+        bufs = [x.copy() for x in ins]
+        assert _two_ranks("broadcast", bufs, bufs, root) == [ins[0].nbytes if r == root else 0 for r in range(2)]
+        assert all(np.array_equal(b, ins[root]) for b in bufs)
+        outs = [np.full(2 * n, np.nan, np.float32) if r == root else np.empty(0, np.float32) for r in range(2)]
+        assert _two_ranks("reduce", ins, outs, root, op="max") == [0 if r == root else ins[0].nbytes for r in range(2)]
+        assert outs[root].tobytes() == np.maximum(ins[0], ins[1]).tobytes()
+
+
+def test_in_place_forms_combine_over_their_own_input():
+    """all_gather with its input as its own block of the output; reduce_scatter with
+    the output as its own block of the input; all_reduce into its input."""
+    n = 5
+    gathered = [np.zeros(2 * n, np.int64) for _ in range(2)]
+    for r in range(2):
+        gathered[r][r * n:(r + 1) * n] = np.arange(n) + 10 * r
+    _two_ranks("all_gather", [g[r * n:(r + 1) * n] for r, g in enumerate(gathered)], gathered)
+    assert all(np.array_equal(g, np.concatenate([np.arange(n), np.arange(n) + 10])) for g in gathered)
+    ins = [np.arange(2 * n, dtype=np.int64) * (r + 2) for r in range(2)]
+    expected = ins[0] + ins[1]
+    _two_ranks("reduce_scatter", ins, [x[r * n:(r + 1) * n] for r, x in enumerate(ins)])
+    assert all(np.array_equal(x[r * n:(r + 1) * n], expected[r * n:(r + 1) * n]) for r, x in enumerate(ins))
+    ins = _inputs(7)
+    expected = ins[0] + ins[1]
+    _two_ranks("all_reduce", ins, ins)
+    assert all(x.tobytes() == expected.tobytes() for x in ins)
+
+
+def test_the_bound_applies_to_what_a_rank_publishes_at_most():
+    pair = object()  # any open pair
+    at = np.empty(LANE_MAX_BYTES, np.uint8)
+    over = np.empty(LANE_MAX_BYTES + 1, np.uint8)
+    assert takes_lane(pair, "all_reduce", at) and not takes_lane(pair, "all_reduce", over)
+    assert takes_lane(pair, "broadcast", at) and not takes_lane(pair, "reduce", over)
+    assert takes_lane(pair, "reduce_scatter", np.empty(2 * LANE_MAX_BYTES, np.uint8))  # a block each way
+    assert not takes_lane(pair, "all_to_all", np.empty(2 * LANE_MAX_BYTES + 2, np.uint8))
+    assert not takes_lane(None, "all_reduce", at) and not takes_lane(pair, "all_to_allv", at)
+
+
 def test_the_lazy_record_has_the_operations_keys():
     record = LaneRecord("all_reduce", 7, 8, 1.0, 1.5).stats()
-    assert record["algorithm"] == LaneAllReduceOp.algorithm == "direct_lane"
+    assert record["algorithm"] == LaneOp.algorithm == "direct_lane"
     assert record["bytes_per_plane"] == {"up": 8, "out": 0} and record["duration_s"] == 0.5
     keys = {"op", "seq", "duration_s", "t_start_wall", "bytes_per_plane", "algorithm", "channels", "policy",
             "stages", "slept_for_peer", "rang_peer"}
@@ -222,3 +301,50 @@ def test_the_lane_meets_without_fingerprints():
         assert ranks.run(without_fingerprints) == [("direct_lane", [4.0])] * 2
     finally:
         ranks.close()
+
+
+def every_small_collective(comm):
+    """reduce_scatter, all_gather (in place too), all_to_all, broadcast and reduce
+    from either root, blocking and async, against numpy: (case, algorithm, exact)."""
+    rank, rows = comm.rank, []
+    for dtype in (np.float32, np.int16, np.float64):
+        n = 1000
+        ins = [((np.arange(2 * n) % 7) + 1 + 3 * r).astype(dtype) for r in range(2)]
+        mine = ins[rank].copy()
+
+        def row(case, got, expected):
+            rows.append(((str(np.dtype(dtype)),) + case, comm.last_stats()["algorithm"],
+                         np.asarray(got).tobytes() == np.asarray(expected).tobytes()))
+
+        out = np.empty(n, dtype)
+        comm.reduce_scatter(mine, out, op="max")
+        row(("reduce_scatter",), out, np.maximum(ins[0], ins[1])[rank * n:(rank + 1) * n])
+        in_place = mine.copy()
+        comm.reduce_scatter(in_place, in_place[rank * n:(rank + 1) * n])
+        row(("reduce_scatter in place",), in_place[rank * n:(rank + 1) * n], (ins[0] + ins[1])[rank * n:(rank + 1) * n])
+        gathered = np.empty(4 * n, dtype)
+        comm.all_gather(mine, gathered, async_op=True).wait()
+        row(("all_gather async",), gathered, np.concatenate(ins))
+        gathered = np.zeros(4 * n, dtype)
+        gathered[rank * 2 * n:(rank + 1) * 2 * n] = mine
+        comm.all_gather(gathered[rank * 2 * n:(rank + 1) * 2 * n], gathered)
+        row(("all_gather in place",), gathered, np.concatenate(ins))
+        swapped = np.empty(2 * n, dtype)
+        comm.all_to_all(mine, swapped)
+        row(("all_to_all",), swapped, np.concatenate([x[rank * n:(rank + 1) * n] for x in ins]))
+        for root in (0, 1):
+            buf = mine.copy()
+            comm.broadcast(buf, root=root)
+            row(("broadcast", root), buf, ins[root])
+            reduced = np.full(2 * n, 99, dtype)
+            got = comm.reduce(mine, reduced, op="sum", root=root)
+            row(("reduce", root), reduced, (ins[0] + ins[1]) if rank == root else np.full(2 * n, 99, dtype))
+            assert (got is reduced) == (rank == root)
+    return rows
+
+
+def test_every_small_collective_takes_the_lane_and_matches_numpy(pool):
+    for rows in pool.run(every_small_collective):
+        assert len(rows) == 3 * 9
+        wrong = [r for r in rows if r[1:] != ("direct_lane", True)]
+        assert not wrong, wrong

@@ -97,6 +97,15 @@ def mismatched(comm, kind):
             comm.all_reduce(np.ones(2 if r == 0 else 1 << 18, np.float32))
         elif kind == "lane_vs_medium":  # the lane against a direct 64 KiB: its fingerprint is a UCX message
             comm.all_reduce(np.ones(2 if r == 0 else 16 << 10, np.float32))
+        elif kind == "lane_gather_vs_a2a":  # both through the lane, 4 KiB published each way
+            if r == 0:
+                comm.all_gather(np.ones(1024, np.float32), np.empty(2048, np.float32))
+            else:
+                comm.all_to_all(np.ones(2048, np.float32), np.empty(2048, np.float32))
+        elif kind == "lane_reduce_late_root":  # the lane, rank 1 late: reduce to root 0 against root 1
+            if r == 1:
+                time.sleep(0.3)
+            comm.reduce(np.ones(16, np.float32), root=r)
         elif kind == "collective":
             if r == 0:
                 comm.all_reduce(x)
@@ -130,7 +139,8 @@ def _run_timed(fn, *args):
                                   "shm_late_size", "cma_size", "cma_dtype", "cma_all_reduce_vs_rs", "cma_vs_dag",
                                   "cma_gather_size",
                                   "cma_a2a_vs_gather", "cma_bcast_root", "cma_reduce_vs_bcast", "lane_size",
-                                  "lane_late_size", "lane_vs_shm", "lane_vs_medium"])
+                                  "lane_late_size", "lane_vs_shm", "lane_vs_medium", "lane_gather_vs_a2a",
+                                  "lane_reduce_late_root"])
 def test_mismatched_calls_raise_on_every_rank(kind):
     results, elapsed = _run_timed(mismatched, kind)
     for rank, result in enumerate(results):
