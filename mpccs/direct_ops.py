@@ -508,8 +508,14 @@ class DirectShmAllReduceOp(Operation):
                 return False
             moved = True
         moved |= self._steps.advance()
-        if not self._steps.done or not all(r.completed for r in self._doorbells):
+        if not self._steps.done:
             return moved
+        return self._finish_once_rung() or moved
+
+    def _finish_once_rung(self) -> bool:
+        """The steps done: finish once every doorbell this rank rang went out (False while one is in flight)."""
+        if not all(r.completed for r in self._doorbells):
+            return False
         for req in self._doorbells:
             req.check_error()
         self._release()

@@ -205,6 +205,7 @@ class LaneOp(DirectShmAllReduceOp):
     def _advance(self) -> bool:
         if not self._posted and not self._start_steps():
             return False
+        moved = False
         if not self._met:
             if self._pair.lane_ready(self.seq, self._count * self.mine.itemsize, self._words):  # one look
                 self._met = True
@@ -213,14 +214,8 @@ class LaneOp(DirectShmAllReduceOp):
             else:
                 self._check_peer_slot()
             self._lane.take(self.seq, self.name, self.mine, self.out, self.op, self.root, self._count)
-        if not all(r.completed for r in self._doorbells):
-            return True
-        for req in self._doorbells:
-            req.check_error()
-        if self.finalize is not None:
-            self.finalize()
-        self._finish()
-        return True
+            moved = True
+        return self._finish_once_rung() or moved  # (a doorbell in flight is no progress: the stall watch sees it)
 
     def _check_peer_slot(self) -> None:
         """The peer's fingerprint matched (without fingerprints: the peer reached this
