@@ -761,11 +761,11 @@ class Communicator:
         return collective in CMA_BLOCK_COLLECTIVES and low <= block_bytes <= high
 
     def _run_direct(self, name, send, out, op, result, async_op, finalize=None, root=None):
+        if takes_lane(self._engine.shm, name, send):
+            return self._run_lane(name, send, out, op, result, async_op, finalize, root)
         # Always the control plane (scale-up where it reaches): both ends must
         # agree on the plane without a round trip, and plane state (a plane
         # down, rejoining) may differ between ranks for a moment.
-        if takes_lane(self._engine.shm, name, send):
-            return self._run_lane(name, send, out, op, result, async_op, finalize, root)
         kind = DIRECT_OPS.get(name, DirectAllReduceOp)  # all_reduce and barrier: DirectAllReduceOp
         if name == "all_reduce" and self._through_segments(send):
             kind = DirectShmAllReduceOp

@@ -1,5 +1,6 @@
 """A shared-memory segment per rank of a 2-rank job on one host: the block
-exchanges of the two-step collectives without a UCX message (shm_steps.py).
+exchanges of the two-step collectives without a UCX message (shm_steps.py),
+and small collectives whole (the lane, below: lane_ops.py).
 
 Why: on the scale-up plane UCX moves a 1 MiB block with a rendezvous (a
 request, a cross-process read by the receiver, an acknowledgement) and each
