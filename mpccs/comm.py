@@ -22,11 +22,10 @@ from .collective_op import CollectiveOp
 from .direct_ops import (DIRECT_BLOCKS_MIN_BYTES, DIRECT_CMA_BLOCK_BYTES, DIRECT_CMA_MAX_BYTES, DIRECT_MAX_BYTES,
                          DIRECT_MEDIUM_BUDGET, DIRECT_SHM_MIN_BYTES, DirectAllGatherOp, DirectAllReduceOp,
                          DirectAllToAllOp, DirectBlocksAllReduceOp, DirectBroadcastOp, DirectReduceOp,
-                         DirectReduceScatterOp, DirectShmAllReduceOp, DirectShmBlocksOp)
+                         DirectReduceScatterOp, DirectShmAllReduceOp, DirectShmBlocksOp, peer_part)
 from .engine import Engine
 from .flows import Splitter
-from .lane_ops import DONE as LANE_DONE, POSTED as LANE_POSTED, Lane, LaneOp, LaneRecord, fingerprint_words, lane_parts, \
-    takes_lane
+from .lane_ops import DONE as LANE_DONE, POSTED as LANE_POSTED, Lane, LaneOp, LaneRecord, fingerprint_words, takes_lane
 from .operation import Operation
 from .p2p_ops import RecvOp, SendOp
 from .errors import CommunicatorAborted, ConfigError, MismatchError, MpccsError, TransportError
@@ -773,22 +772,25 @@ class Communicator:
             kind = DirectShmBlocksOp
         elif name == "all_reduce" and send.nbytes >= DIRECT_BLOCKS_MIN_BYTES:
             kind = DirectBlocksAllReduceOp
-        fp = None  # (every caller checked that the communicator is usable)
-        if self.options.fingerprint:
-            fp = fingerprint.make(name, op, send.dtype, kind.algorithm, root, 0, send.size)
+        fp = self._direct_fingerprint(name, op, send, kind.algorithm, root)  # (every caller checked usability)
         extra = {} if root is None else {"root": root}
         dop = kind(self._engine, self._next_seq(), send, out, op, self.size, fp, finalize, name, **extra)
         return self._submit(dop, result, async_op)
+
+    def _direct_fingerprint(self, name, op, send, algorithm: str, root):
+        """A direct or lane call's fingerprint (None: fingerprints off)."""
+        if not self.options.fingerprint:
+            return None
+        return fingerprint.make(name, op, send.dtype, algorithm, root, 0, send.size)
 
     def _run_lane(self, name, send, out, op, result, async_op, finalize, root):
         """A 2-rank call through the lane (lane_ops): a blocking call with nothing
         else in flight exchanges by itself (Lane.exchange: no Operation, its
         record built only if asked); whatever that does not finish, an operation
         takes over, posted or not, run alone first where it can be."""
-        fp = fingerprint.make(name, op, send.dtype, LaneOp.algorithm, root, 0, send.size) \
-            if self.options.fingerprint else None
+        fp = self._direct_fingerprint(name, op, send, LaneOp.algorithm, root)
         seq, engine, posted = self._next_seq(), self._engine, False
-        parts = lane_parts(name, send, self.rank, root)
+        parts = peer_part(name, send, self.rank, root)
         if not async_op and not engine.active and self._records_light():
             t_start = time.perf_counter()
             outcome = self._lane.exchange(seq, name, send, out, op, root, parts, fingerprint_words(fp))

@@ -626,7 +626,7 @@ class DirectShmBlocksOp(DirectShmAllReduceOp):
                  name: str = "reduce_scatter", root: int = 0):
         self.root = root
         super().__init__(engine, seq, send, out, op, world, fingerprint, finalize, name)
-        self.bytes_per_plane[UP] = _read_by_peer(name, send, engine.rank, root)
+        self.bytes_per_plane[UP] = peer_part(name, send, engine.rank, root)[0].nbytes  # what the peer reads
 
     def _reads(self) -> bool:
         return True  # chosen only where the pair reads (comm._direct_by_cma)
@@ -721,17 +721,20 @@ class DirectBroadcastOp(_RootedDirectOp):
             self.out[...] = self._got[self.root]
 
 
-def _read_by_peer(collective: str, send: np.ndarray, rank: int, root: int) -> int:
-    """The bytes a 2-rank DirectShmBlocksOp's peer reads from this rank (what it
-    reports as sent on 'up'): the block the peer owns or is sent, half the input;
-    all of it for an all_gather, a broadcast's root and a reduce's other rank."""
+def peer_part(collective: str, send: np.ndarray, rank: int, root) -> tuple[np.ndarray, int]:
+    """What a rank of a 2-rank call gives its peer, and how many elements of the
+    peer's it takes: the block the peer owns or is sent (reduce_scatter,
+    all_to_all); a broadcast's root the buffer, the other rank nothing; a
+    reduce's other rank its input, the root nothing; else the whole input.
+    The lane publishes it (lane_ops.py); DirectShmBlocksOp's peer reads it."""
     if collective in ("reduce_scatter", "all_to_all"):
-        return send.nbytes // 2
+        half = send.size // 2
+        return send[(1 - rank) * half:(2 - rank) * half], half
     if collective == "broadcast":
-        return send.nbytes if rank == root else 0
+        return (send, 0) if rank == root else (send[:0], send.size)
     if collective == "reduce":
-        return send.nbytes if rank != root else 0
-    return send.nbytes  # all_gather
+        return (send[:0], send.size) if rank == root else (send, 0)
+    return send, send.size  # all_reduce, barrier, all_gather
 
 
 def _block(send: np.ndarray, rank: int, world: int) -> np.ndarray:

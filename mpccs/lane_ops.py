@@ -20,9 +20,9 @@ without an Operation (a blocking call, nothing else in flight, the peer
 there within PEER_SPIN_S with the same fingerprint), and LaneOp for
 everything else, which takes over an exchange that did not finish.
 
-Each collective is what a rank publishes and what it does with its peer's
-payload (lane_parts, combine): rank 0's operand always on the left of a
-reduction, so both ranks' results are bit-identical to every other path's.
+Each collective is what a rank publishes (direct_ops.peer_part) and what it
+does with its peer's payload (combine): rank 0's operand always on the left
+of a reduction, so both ranks' results are bit-identical to every other path's.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import direct_ops
-from .direct_ops import DirectShmAllReduceOp
+from .direct_ops import DirectShmAllReduceOp, peer_part
 from .errors import ProtocolError
 from .fingerprint import Fingerprint
 from .reduce import reduce_to
@@ -58,18 +58,6 @@ def takes_lane(pair, name: str, send: np.ndarray) -> bool:
     if pair is None or name not in LANE_COLLECTIVES:
         return False
     return (send.nbytes // 2 if name in _HALVES else send.nbytes) <= LANE_MAX_BYTES
-
-
-def lane_parts(name: str, send: np.ndarray, rank: int, root) -> tuple[np.ndarray, int]:
-    """What this rank publishes, and how many elements of its peer's payload it reads."""
-    if name in _HALVES:
-        half = send.size // 2
-        return send[(1 - rank) * half:(2 - rank) * half], half
-    if name == "broadcast":
-        return (send, 0) if rank == root else (send[:0], send.size)
-    if name == "reduce":
-        return (send[:0], send.size) if rank == root else (send, 0)
-    return send, send.size  # all_reduce, barrier, all_gather
 
 
 def combine(name: str, send: np.ndarray, out: np.ndarray, theirs: np.ndarray, op: str, rank: int, root) -> None:
@@ -107,7 +95,7 @@ class Lane:
 
     def exchange(self, seq: int, name: str, send: np.ndarray, out: np.ndarray, op: str, root,
                  parts: tuple[np.ndarray, int], words: tuple[int, int]) -> int:
-        """DONE (out holds the result), UNPOSTED or POSTED (module docstring); ``parts``: lane_parts'."""
+        """DONE (out holds the result), UNPOSTED or POSTED (module docstring); ``parts``: peer_part'."""
         pair = self.pair
         if not pair.lane_free(seq):
             return UNPOSTED
@@ -157,7 +145,7 @@ class LaneRecord:
 class LaneOp(DirectShmAllReduceOp):
     """One 2-rank collective through the lane.
 
-    Each rank puts what it publishes (lane_parts) in its lane slot and its
+    Each rank puts what it publishes (peer_part) in its lane slot and its
     fingerprint in the ring after it (ShmPair.post_lane). Once the peer's
     entry for this operation is there and matches (DirectShmAllReduceOp's
     meeting: past PEER_SPIN_S it sleeps and looks for a fingerprint message,

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from mpccs import direct_ops
-from mpccs.lane_ops import DONE, POSTED, UNPOSTED, Lane, LaneOp, LaneRecord, combine, lane_parts, takes_lane
+from mpccs.direct_ops import peer_part
+from mpccs.lane_ops import DONE, POSTED, UNPOSTED, Lane, LaneOp, LaneRecord, combine, takes_lane
 from mpccs.transports import shm
 from mpccs.transports.shm import FLAG_WAITING, LANE_MAX_BYTES, SEGMENT_BYTES, ShmPair
 from rankpool import RankPool
@@ -89,7 +90,7 @@ def test_exchange_reduces_in_rank_order_and_says_what_it_did(rank):
     lane, out = Lane(pairs[rank], rank), np.full(4, np.nan, np.float32)
 
     def exchange(seq):
-        parts = lane_parts("all_reduce", ins[rank], rank, None)
+        parts = peer_part("all_reduce", ins[rank], rank, None)
         return lane.exchange(seq, "all_reduce", ins[rank], out, "sum", None, parts, WORDS)
 
     assert exchange(1) == DONE
@@ -104,9 +105,9 @@ def test_exchange_reduces_in_rank_order_and_says_what_it_did(rank):
 
 
 def _two_ranks(name, ins, outs, root=None, op="sum"):
-    """Both ranks' lane_parts and combine, each fed the other's payload as posted
+    """Both ranks' peer_part and combine, each fed the other's payload as posted
     (copied into its slot before either combines)."""
-    parts = [lane_parts(name, ins[r], r, root) for r in range(2)]
+    parts = [peer_part(name, ins[r], r, root) for r in range(2)]
     slots = [posted.copy() for posted, _ in parts]
     for r in range(2):
         theirs, wanted = slots[1 - r], parts[r][1]  # the peer's slot; what this rank reads of it

@@ -13,9 +13,9 @@ cross-process copy beats two local ones).
 
 Layout of each rank's segment: a header page of int64 flags (FLAG_*), each
 written by its owner only, then the lane (below), then the outbox of
-OUTBOX_BYTES. A flag holds the sequence number of the last operation that reached that point; they only
-grow, so a waiter tests ``>=`` and a failed operation leaves nothing a later
-one could mistake. Publication relies on x86-64's store order (a flag
+OUTBOX_BYTES. A flag holds the sequence number of the last operation that
+reached that point; they only grow, so a waiter tests ``>=`` and a failed
+operation leaves nothing a later one could mistake. Publication relies on x86-64's store order (a flag
 written after the data it announces is never seen before that data), so the
 segments are opened on x86-64 only; the one exception to that order, the
 non-temporal stores a large memcpy may use, cannot pass a locked
@@ -34,7 +34,7 @@ loads the other's (Dekker's order): at least one of two ranks arriving
 together sees the other's.
 
 The lane (after the header, LANE_SLOTS slots of LANE_SLOT_BYTES) carries a
-small 2-rank all_reduce whole (lane_ops.LaneAllReduceOp): slot seq %
+small 2-rank collective whole (lane_ops.py): slot seq %
 LANE_SLOTS holds the payload, then the operation's sequence number and byte
 count, and the fingerprint ring entry published after them says it is there.
 A rank writes a slot again only once its peer's FLAG_LANE_TAKEN + slot shows
@@ -207,7 +207,7 @@ class ShmPair:
         """Poll for at most ``spin_s`` for the peer's lane payload of operation
         ``seq``: True once it is there with the same fingerprint words and byte
         count and the peer is not asleep waiting for a doorbell; False on
-        anything else (lane_ops.LaneAllReduceOp sorts that out)."""
+        anything else (lane_ops.LaneOp sorts that out)."""
         peer = self.peer_words
         entry = FP_RING_AT + seq % FP_RING * FP_WORDS
         deadline = time.perf_counter() + spin_s
