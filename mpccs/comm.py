@@ -801,7 +801,7 @@ class Communicator:
                 self._last_stats = LaneRecord(name, seq, parts[0].nbytes, t_start, time.perf_counter())
                 return result
             posted = outcome == LANE_POSTED
-        lane_op = LaneOp(engine, seq, send, out, op, self.size, fp, finalize, name, lane=self._lane, parts=parts,
+        lane_op = LaneOp(engine, seq, send, out, op, fp, finalize, name, lane=self._lane, parts=parts,
                          root=root, posted=posted)
         lane_op.on_finish.append(self._record)
         if async_op or engine.active:

@@ -421,99 +421,45 @@ class DirectBlocksAllReduceOp(DirectAllReduceOp):
                 else "the peers to take this rank's messages"}
 
 
-class DirectShmAllReduceOp(Operation):
-    """A 2-rank all_reduce of halves through the shared-memory segments
-    (shm_steps.py; above DIRECT_CMA_FROM_BYTES, where the pair allows it, read
-    across processes: cma_steps.py): the direct blocks' reduce-scatter and
-    all-gather with a copy and a flag in place of each message. Chosen like the
-    rest of the direct path, from the configuration and the call alone
-    (comm._run_direct): every rank opened the segments or none did
-    (transports/shm.open_pair).
+class SegmentMeetingOp(Operation):
+    """A 2-rank operation whose ranks meet in the shared-memory segments, not by
+    UCX messages (those cost 25-36 us of a 1-8 MiB call; without them 1.03-1.29x
+    faster: bench/results/meeting_ab/): each publishes its fingerprint there
+    before anything of it can be read, and looks at its peer's before it reads
+    anything of the peer's, so a peer that called another operation through the
+    segments is never read from and both ranks get a MismatchError. A peer that
+    called something else (the DAG, a direct message) sends a fingerprint
+    message instead: a rank that has not met its peer within PEER_SPIN_S stops
+    polling, posts FLAG_WAITING, sleeps on the planes' events and looks for
+    that message each time it wakes (a mismatch then, told to the peer by an
+    abort). A peer that arrives and sees FLAG_WAITING rings (CTRL_DOORBELL), so
+    a late peer costs neither spinning nor a sleep's timeout. In the normal case
+    no UCX message moves at all.
 
-    The ranks meet in the segments, not by UCX messages (those cost 25-36 us of
-    a 1-8 MiB call; without them 1.03-1.29x faster: bench/results/meeting_ab/): each publishes its
-    fingerprint there before its steps post anything, and looks at its peer's
-    before its steps read anything of the peer's, so a peer that called another
-    operation through the segments is never read from and both ranks get a
-    MismatchError. A peer that called something else (the DAG, a direct
-    message) sends a fingerprint message instead: a rank that has not met its
-    peer within PEER_SPIN_S stops polling the flags, posts FLAG_WAITING, sleeps
-    on the planes' events and looks for that message each time it wakes (a
-    mismatch then, told to the peer by an abort). A peer that arrives and sees
-    FLAG_WAITING rings (CTRL_DOORBELL), so a late peer costs neither spinning
-    nor a sleep's timeout. In the normal case no UCX message moves at all.
+    Subclasses publish their part (``_since``: when) and call _meet_peer()
+    until it is True, then move their bytes and finish with _finish_once_rung()
+    (DirectShmAllReduceOp: steps over the outboxes or reads across processes;
+    lane_ops.LaneOp: one slot)."""
 
-    One outbox per rank: operations in flight together (async_op) take the
-    segments in turn, in the order they were submitted (the same on both
-    ranks): an operation starts its steps once the one before it finished
-    here, which was once the peer had taken everything from this outbox."""
-
-    algorithm = "direct_shm"
     stats_are_light = True
     posts_when_built = True
-    root = 0  # (DirectShmBlocksOp's broadcast and reduce have one)
 
-    def __init__(self, engine, seq, send: np.ndarray, out: np.ndarray, op: str, world: int,
-                 fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,
-                 name: str = "all_reduce"):
+    def __init__(self, engine, seq, send: np.ndarray, out: np.ndarray, op: str,
+                 fingerprint: Optional[Fingerprint], finalize: Optional[Callable], name: str):
         super().__init__(engine, seq)
         self.name, self.op, self.out, self.finalize, self.fingerprint = name, op, out, finalize, fingerprint
-        self.mine = send  # the steps read each half before anything writes over it
+        self.mine = send
         self.wire_seq = wire.attempt_seq(seq, 0)
         self.peer = 1 - engine.rank
         self.spin_planes = (engine.control_plane(self.peer),)
-        self._fp_words = fingerprint.encode() if fingerprint is not None else _NO_FINGERPRINT
         self._pair = engine.shm  # the segments this call was chosen for (the engine's may change later)
-        self._steps: Optional[ShmSteps] = None
         self._met = False  # the peer's fingerprint for this operation is in its segment and matched
         self._asleep = False  # this rank posted FLAG_WAITING: it sleeps on the planes' events
-        self._since = 0.0  # when this rank took the segments
+        self._since = 0.0  # when this rank published its part
         self._doorbells = []  # rung for the peer (their sends)
-        self._start_steps()
-        self.bytes_per_plane[UP] += send.nbytes  # its part of the peer's half, then the peer's copy of its own
-
-    def _start_steps(self) -> bool:
-        """Take the segments if no earlier operation holds them (Engine.shm_holder):
-        publish the fingerprint, then post this rank's steps."""
-        if self.engine.shm_holder is not None:
-            return False
-        self.engine.shm_holder = self
-        self._pair.post_fingerprint(self._fp_words, self.seq)
-        if self._reads():
-            self._steps = self._read_steps()
-        else:
-            self._steps = ShmSteps(self._pair, self.seq, self.engine.rank, self.mine, self.out, self.op)
-        self._since = time.perf_counter()
-        return True
-
-    def _reads(self) -> bool:
-        """Read the halves across processes (else through the outboxes)."""
-        return self._pair.cma and self.mine.nbytes > DIRECT_CMA_FROM_BYTES
-
-    def _read_steps(self) -> CmaSteps:
-        engine = self.engine
-        return CmaSteps(self._pair, self.wire_seq, engine.rank, self.name, self.mine, self.out, self.op,
-                        lambda n: engine.kept_scratch("direct_shm", n), self._error, self.root)
-
-    def _error(self, message: str, step: str) -> TransportError:
-        return TransportError(message, rank=self.engine.rank, plane=UP, peer=self.peer, op=self.name,
-                              stage=f"direct shm {step}")
-
-    def _advance(self) -> bool:
-        if self._steps is None and not self._start_steps():
-            return False
-        moved = False
-        if not self._met:
-            if not self._meet_peer():
-                return False
-            moved = True
-        moved |= self._steps.advance()
-        if not self._steps.done:
-            return moved
-        return self._finish_once_rung() or moved
 
     def _finish_once_rung(self) -> bool:
-        """The steps done: finish once every doorbell this rank rang went out (False while one is in flight)."""
+        """Its bytes moved: finish once every doorbell this rank rang went out (False while one is in flight)."""
         if not all(r.completed for r in self._doorbells):
             return False
         for req in self._doorbells:
@@ -574,6 +520,94 @@ class DirectShmAllReduceOp(Operation):
                             "rank runs through the shared-memory segments", rank=self.engine.rank, peer=self.peer,
                             op=self.name)
 
+    def _let_go_of_arrays(self) -> None:
+        self.mine = self.out = self.finalize = None
+
+    def _release(self) -> None:
+        """Let go of what it held in the segments besides its part (DirectShmAllReduceOp: the outboxes' turn)."""
+
+    def _fail(self, exc: BaseException) -> None:
+        self._release()
+        for req in self._doorbells:
+            if not req.completed:
+                self.engine.park(req, _DOORBELL)
+        super()._fail(exc)
+
+    def stats(self) -> dict:
+        out = super().stats()
+        out.update(algorithm=self.algorithm, channels=1, policy="direct", stages=[],
+                   slept_for_peer=self._asleep, rang_peer=bool(self._doorbells))
+        return out
+
+
+class DirectShmAllReduceOp(SegmentMeetingOp):
+    """A 2-rank all_reduce of halves through the shared-memory segments
+    (shm_steps.py; above DIRECT_CMA_FROM_BYTES, where the pair allows it, read
+    across processes: cma_steps.py): the direct blocks' reduce-scatter and
+    all-gather with a copy and a flag in place of each message. Chosen like the
+    rest of the direct path, from the configuration and the call alone
+    (comm._run_direct): every rank opened the segments or none did
+    (transports/shm.open_pair). The ranks meet as SegmentMeetingOp says, before
+    the steps read anything of the peer's.
+
+    One outbox per rank: operations in flight together (async_op) take the
+    segments in turn, in the order they were submitted (the same on both
+    ranks): an operation starts its steps once the one before it finished
+    here, which was once the peer had taken everything from this outbox."""
+
+    algorithm = "direct_shm"
+    root = 0  # (DirectShmBlocksOp's broadcast and reduce have one)
+
+    def __init__(self, engine, seq, send: np.ndarray, out: np.ndarray, op: str, world: int,
+                 fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,
+                 name: str = "all_reduce"):
+        super().__init__(engine, seq, send, out, op, fingerprint, finalize, name)
+        # (self.mine: the steps read each half before anything writes over it)
+        self._fp_words = fingerprint.encode() if fingerprint is not None else _NO_FINGERPRINT
+        self._steps: Optional[ShmSteps] = None
+        self._start_steps()
+        self.bytes_per_plane[UP] += send.nbytes  # its part of the peer's half, then the peer's copy of its own
+
+    def _start_steps(self) -> bool:
+        """Take the segments if no earlier operation holds them (Engine.shm_holder):
+        publish the fingerprint, then post this rank's steps."""
+        if self.engine.shm_holder is not None:
+            return False
+        self.engine.shm_holder = self
+        self._pair.post_fingerprint(self._fp_words, self.seq)
+        if self._reads():
+            self._steps = self._read_steps()
+        else:
+            self._steps = ShmSteps(self._pair, self.seq, self.engine.rank, self.mine, self.out, self.op)
+        self._since = time.perf_counter()
+        return True
+
+    def _reads(self) -> bool:
+        """Read the halves across processes (else through the outboxes)."""
+        return self._pair.cma and self.mine.nbytes > DIRECT_CMA_FROM_BYTES
+
+    def _read_steps(self) -> CmaSteps:
+        engine = self.engine
+        return CmaSteps(self._pair, self.wire_seq, engine.rank, self.name, self.mine, self.out, self.op,
+                        lambda n: engine.kept_scratch("direct_shm", n), self._error, self.root)
+
+    def _error(self, message: str, step: str) -> TransportError:
+        return TransportError(message, rank=self.engine.rank, plane=UP, peer=self.peer, op=self.name,
+                              stage=f"direct shm {step}")
+
+    def _advance(self) -> bool:
+        if self._steps is None and not self._start_steps():
+            return False
+        moved = False
+        if not self._met:
+            if not self._meet_peer():
+                return False
+            moved = True
+        moved |= self._steps.advance()
+        if not self._steps.done:
+            return moved
+        return self._finish_once_rung() or moved
+
     @property
     def polls_memory(self) -> bool:
         """While it runs its steps, and for PEER_SPIN_S while it waits for its peer
@@ -582,7 +616,8 @@ class DirectShmAllReduceOp(Operation):
         return self._steps is not None and (self._met or not self._asleep)
 
     def _let_go_of_arrays(self) -> None:
-        self.mine = self.out = self.finalize = self._steps = None
+        super()._let_go_of_arrays()
+        self._steps = None
 
     def _release(self) -> None:
         if self.engine.shm_holder is self:
@@ -591,10 +626,6 @@ class DirectShmAllReduceOp(Operation):
     def _fail(self, exc: BaseException) -> None:
         if self._steps is not None:
             self._steps.abandon()
-        self._release()
-        for req in self._doorbells:
-            if not req.completed:
-                self.engine.park(req, _DOORBELL)
         super()._fail(exc)
 
     def describe_stall(self) -> dict:
@@ -605,12 +636,6 @@ class DirectShmAllReduceOp(Operation):
         else:
             waiting = self._steps.waiting_for
         return {"stage": "direct shm", "peer": [self.peer], "plane": UP, "waiting_for": waiting}
-
-    def stats(self) -> dict:
-        out = super().stats()
-        out.update(algorithm=self.algorithm, channels=1, policy="direct", stages=[],
-                   slept_for_peer=self._asleep, rang_peer=bool(self._doorbells))
-        return out
 
 
 class DirectShmBlocksOp(DirectShmAllReduceOp):

@@ -32,7 +32,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import direct_ops
-from .direct_ops import DirectShmAllReduceOp, peer_part
+from .direct_ops import SegmentMeetingOp, peer_part
 from .errors import ProtocolError
 from .fingerprint import Fingerprint
 from .reduce import reduce_to
@@ -142,14 +142,13 @@ class LaneRecord:
                 "slept_for_peer": False, "rang_peer": False}
 
 
-class LaneOp(DirectShmAllReduceOp):
+class LaneOp(SegmentMeetingOp):
     """One 2-rank collective through the lane.
 
     Each rank puts what it publishes (peer_part) in its lane slot and its
     fingerprint in the ring after it (ShmPair.post_lane). Once the peer's
-    entry for this operation is there and matches (DirectShmAllReduceOp's
-    meeting: past PEER_SPIN_S it sleeps and looks for a fingerprint message,
-    as there), each combines from the peer's slot straight into its output
+    entry for this operation is there and matches (SegmentMeetingOp: past
+    PEER_SPIN_S it sleeps and looks for a fingerprint message), each combines from the peer's slot straight into its output
     and tells the peer it read the slot (FLAG_LANE_TAKEN + slot). A slot is
     written again only after that (ShmPair.lane_free), so a rank one
     operation ahead never overwrites what its peer has yet to read.
@@ -161,17 +160,18 @@ class LaneOp(DirectShmAllReduceOp):
 
     algorithm = "direct_lane"
 
-    def __init__(self, engine, seq, send: np.ndarray, out: np.ndarray, op: str, world: int,
+    def __init__(self, engine, seq, send: np.ndarray, out: np.ndarray, op: str,
                  fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,
                  name: str = "all_reduce", *, lane: Lane, parts: tuple[np.ndarray, int], root=None,
                  posted: bool = False):
+        super().__init__(engine, seq, send, out, op, fingerprint, finalize, name)
         self._posted, self._lane, self._words = posted, lane, fingerprint_words(fingerprint)
         self._payload, self._count = parts
         self.root = root
-        super().__init__(engine, seq, send, out, op, world, fingerprint, finalize, name)
         self.bytes_per_plane[UP] = self._payload.nbytes
+        self._post()
 
-    def _start_steps(self) -> bool:
+    def _post(self) -> bool:
         """Post the payload once the slot is free (its earlier payload read by the
         peer) and every lane operation built before this one posted: one posted
         out of turn would take the slot its predecessor waits for, which the peer
@@ -191,7 +191,7 @@ class LaneOp(DirectShmAllReduceOp):
         return True
 
     def _advance(self) -> bool:
-        if not self._posted and not self._start_steps():
+        if not self._posted and not self._post():
             return False
         moved = False
         if not self._met:
