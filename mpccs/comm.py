@@ -22,10 +22,11 @@ from .collective_op import CollectiveOp
 from .direct_ops import (DIRECT_BLOCKS_MIN_BYTES, DIRECT_CMA_BLOCK_BYTES, DIRECT_CMA_MAX_BYTES, DIRECT_MAX_BYTES,
                          DIRECT_MEDIUM_BUDGET, DIRECT_SHM_MIN_BYTES, DirectAllGatherOp, DirectAllReduceOp,
                          DirectAllToAllOp, DirectBlocksAllReduceOp, DirectBroadcastOp, DirectReduceOp,
-                         DirectReduceScatterOp, DirectShmAllReduceOp, DirectShmBlocksOp, peer_part)
+                         DirectReduceScatterOp, DirectShmAllReduceOp, DirectShmBlocksOp, LightRecord, StartedSteps,
+                         peer_part, run_steps_alone)
 from .engine import Engine
 from .flows import Splitter
-from .lane_ops import DONE as LANE_DONE, POSTED as LANE_POSTED, Lane, LaneOp, LaneRecord, fingerprint_words, takes_lane
+from .lane_ops import DONE as LANE_DONE, POSTED as LANE_POSTED, Lane, LaneOp, fingerprint_words, takes_lane
 from .operation import Operation
 from .p2p_ops import RecvOp, SendOp
 from .errors import CommunicatorAborted, ConfigError, MismatchError, MpccsError, TransportError
@@ -265,7 +266,7 @@ class Communicator:
 
     def last_stats(self) -> Optional[dict]:
         """Record of the operation completed last (see Work.stats)."""
-        if isinstance(self._last_stats, (Operation, LaneRecord)):
+        if isinstance(self._last_stats, (Operation, LightRecord)):
             self._last_stats = self._last_stats.stats()
         return self._last_stats
 
@@ -774,8 +775,43 @@ class Communicator:
             kind = DirectBlocksAllReduceOp
         fp = self._direct_fingerprint(name, op, send, kind.algorithm, root)  # (every caller checked usability)
         extra = {} if root is None else {"root": root}
-        dop = kind(self._engine, self._next_seq(), send, out, op, self.size, fp, finalize, name, **extra)
+        engine = self._engine
+        if issubclass(kind, DirectShmAllReduceOp) and not async_op and not engine.active \
+                and engine.shm_holder is None and self._records_light():
+            return self._run_steps_alone(kind, name, send, out, op, fp, result, finalize, extra)
+        dop = kind(engine, self._next_seq(), send, out, op, self.size, fp, finalize, name, **extra)
         return self._submit(dop, result, async_op)
+
+    def _run_steps_alone(self, kind, name, send, out, op, fp, result, finalize, extra):
+        """A blocking 2-rank call through the segments with nothing else in flight:
+        its steps run here without an operation (direct_ops.run_steps_alone, as
+        the lane's exchange); what they do not finish, an operation takes over
+        where they stopped (its meeting, sleep, stall watch), and a failed step
+        fails that operation (its abandon, the abort)."""
+        engine, seq, t_start = self._engine, self._next_seq(), time.perf_counter()
+        pair, root = engine.shm, extra.get("root", 0)
+        steps = kind.publish(pair, engine, seq, name, send, out, op, fp, root)
+        failure = None
+        try:
+            done, met = run_steps_alone(pair, seq, steps, fp)
+        except BaseException as exc:  # noqa: BLE001 - failed as the operation's own advance would (Operation.advance)
+            failure, done, met = exc, False, True
+        if done:
+            if finalize is not None:
+                finalize()
+            nbytes = kind.peer_bytes(name, send, self.rank, root)
+            self._telemetry.counters.count_light(name, {UP: nbytes, OUT: 0})
+            self._last_stats = LightRecord(name, seq, nbytes, t_start, time.perf_counter(), kind.algorithm)
+            return result
+        dop = kind(engine, seq, send, out, op, self.size, fp, finalize, name, **extra,
+                   started=StartedSteps(steps, met, t_start))
+        dop.on_finish.append(self._record)
+        if failure is None:
+            engine.submit(dop)
+        else:
+            dop._fail(failure)
+        self._wait_usable(dop, None)
+        return result
 
     def _direct_fingerprint(self, name, op, send, algorithm: str, root):
         """A direct or lane call's fingerprint (None: fingerprints off)."""
@@ -798,7 +834,8 @@ class Communicator:
                 if finalize is not None:
                     finalize()
                 self._telemetry.counters.count_light(name, {UP: parts[0].nbytes, OUT: 0})
-                self._last_stats = LaneRecord(name, seq, parts[0].nbytes, t_start, time.perf_counter())
+                self._last_stats = LightRecord(name, seq, parts[0].nbytes, t_start, time.perf_counter(),
+                                               LaneOp.algorithm)
                 return result
             posted = outcome == LANE_POSTED
         lane_op = LaneOp(engine, seq, send, out, op, fp, finalize, name, lane=self._lane, parts=parts,

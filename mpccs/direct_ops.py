@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
@@ -16,7 +16,8 @@ from .fingerprint import Fingerprint
 from .operation import FP_BYTES, Operation, check_fingerprint
 from .reduce import reduce_into, reduce_to
 from .shm_steps import ShmSteps
-from .windows import UP
+from .telemetry import wall
+from .windows import OUT, UP
 
 DIRECT_MAX_BYTES = 4096  # a payload at most this large rides in the fingerprint message; always direct
 # A medium collective takes the direct path too where the DAG would run it on
@@ -540,6 +541,17 @@ class SegmentMeetingOp(Operation):
         return out
 
 
+class StartedSteps(NamedTuple):
+    """A call's steps through the segments, posted by DirectShmAllReduceOp.publish
+    before any operation existed (run_steps_alone), for the operation that takes
+    them over: ``met`` whether the peer's fingerprint was found and matched,
+    ``since`` when this rank published its fingerprint."""
+
+    steps: object  # ShmSteps or CmaSteps
+    met: bool
+    since: float
+
+
 class DirectShmAllReduceOp(SegmentMeetingOp):
     """A 2-rank all_reduce of halves through the shared-memory segments
     (shm_steps.py; above DIRECT_CMA_FROM_BYTES, where the pair allows it, read
@@ -548,7 +560,9 @@ class DirectShmAllReduceOp(SegmentMeetingOp):
     rest of the direct path, from the configuration and the call alone
     (comm._run_direct): every rank opened the segments or none did
     (transports/shm.open_pair). The ranks meet as SegmentMeetingOp says, before
-    the steps read anything of the peer's.
+    the steps read anything of the peer's. A blocking call with nothing else in
+    flight runs its steps without an operation first (run_steps_alone); one
+    built then takes them over where they stopped (``started``).
 
     One outbox per rank: operations in flight together (async_op) take the
     segments in turn, in the order they were submitted (the same on both
@@ -560,40 +574,52 @@ class DirectShmAllReduceOp(SegmentMeetingOp):
 
     def __init__(self, engine, seq, send: np.ndarray, out: np.ndarray, op: str, world: int,
                  fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,
-                 name: str = "all_reduce"):
+                 name: str = "all_reduce", *, started: Optional[StartedSteps] = None):
         super().__init__(engine, seq, send, out, op, fingerprint, finalize, name)
         # (self.mine: the steps read each half before anything writes over it)
-        self._fp_words = fingerprint.encode() if fingerprint is not None else _NO_FINGERPRINT
-        self._steps: Optional[ShmSteps] = None
-        self._start_steps()
-        self.bytes_per_plane[UP] += send.nbytes  # its part of the peer's half, then the peer's copy of its own
+        self._steps = None
+        if started is None:
+            self._start_steps()
+        else:
+            self.engine.shm_holder = self
+            self._steps, self._met, self._since = started
+        self.bytes_per_plane[UP] = self.peer_bytes(name, send, engine.rank, self.root)
+
+    @staticmethod
+    def peer_bytes(name: str, send: np.ndarray, rank: int, root) -> int:
+        """What a rank's steps move to or from its peer, as counted per plane: its
+        part of the peer's half, then the peer's copy of its own."""
+        return send.nbytes
+
+    @classmethod
+    def publish(cls, pair, engine, seq: int, name: str, send: np.ndarray, out: np.ndarray, op: str,
+                fingerprint: Optional[Fingerprint], root):
+        """Publish this rank's fingerprint in the segments, then post its steps; the steps."""
+        pair.post_fingerprint(fingerprint.encode() if fingerprint is not None else _NO_FINGERPRINT, seq)
+        rank = engine.rank
+        if not cls.reads(pair, send):
+            return ShmSteps(pair, seq, rank, send, out, op)
+
+        def error(message: str, step: str) -> TransportError:
+            return TransportError(message, rank=rank, plane=UP, peer=1 - rank, op=name, stage=f"direct shm {step}")
+        return CmaSteps(pair, wire.attempt_seq(seq, 0), rank, name, send, out, op,
+                        lambda n: engine.kept_scratch("direct_shm", n), error, root)
+
+    @staticmethod
+    def reads(pair, send: np.ndarray) -> bool:
+        """Read the halves across processes (else through the outboxes)."""
+        return pair.cma and send.nbytes > DIRECT_CMA_FROM_BYTES
 
     def _start_steps(self) -> bool:
-        """Take the segments if no earlier operation holds them (Engine.shm_holder):
-        publish the fingerprint, then post this rank's steps."""
+        """Take the segments if no earlier operation holds them (Engine.shm_holder),
+        publish the fingerprint and post this rank's steps."""
         if self.engine.shm_holder is not None:
             return False
         self.engine.shm_holder = self
-        self._pair.post_fingerprint(self._fp_words, self.seq)
-        if self._reads():
-            self._steps = self._read_steps()
-        else:
-            self._steps = ShmSteps(self._pair, self.seq, self.engine.rank, self.mine, self.out, self.op)
+        self._steps = self.publish(self._pair, self.engine, self.seq, self.name, self.mine, self.out, self.op,
+                                   self.fingerprint, self.root)
         self._since = time.perf_counter()
         return True
-
-    def _reads(self) -> bool:
-        """Read the halves across processes (else through the outboxes)."""
-        return self._pair.cma and self.mine.nbytes > DIRECT_CMA_FROM_BYTES
-
-    def _read_steps(self) -> CmaSteps:
-        engine = self.engine
-        return CmaSteps(self._pair, self.wire_seq, engine.rank, self.name, self.mine, self.out, self.op,
-                        lambda n: engine.kept_scratch("direct_shm", n), self._error, self.root)
-
-    def _error(self, message: str, step: str) -> TransportError:
-        return TransportError(message, rank=self.engine.rank, plane=UP, peer=self.peer, op=self.name,
-                              stage=f"direct shm {step}")
 
     def _advance(self) -> bool:
         if self._steps is None and not self._start_steps():
@@ -648,13 +674,59 @@ class DirectShmBlocksOp(DirectShmAllReduceOp):
 
     def __init__(self, engine, seq, send: np.ndarray, out: np.ndarray, op: str, world: int,
                  fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,
-                 name: str = "reduce_scatter", root: int = 0):
+                 name: str = "reduce_scatter", root: int = 0, *, started: Optional[StartedSteps] = None):
         self.root = root
-        super().__init__(engine, seq, send, out, op, world, fingerprint, finalize, name)
-        self.bytes_per_plane[UP] = peer_part(name, send, engine.rank, root)[0].nbytes  # what the peer reads
+        super().__init__(engine, seq, send, out, op, world, fingerprint, finalize, name, started=started)
 
-    def _reads(self) -> bool:
+    @staticmethod
+    def peer_bytes(name: str, send: np.ndarray, rank: int, root) -> int:
+        return peer_part(name, send, rank, root)[0].nbytes  # what the peer reads
+
+    @staticmethod
+    def reads(pair, send: np.ndarray) -> bool:
         return True  # chosen only where the pair reads (comm._direct_by_cma)
+
+
+def run_steps_alone(pair, seq: int, steps, fingerprint: Optional[Fingerprint]) -> tuple[bool, bool]:
+    """A blocking call's steps through the segments, published with nothing else
+    in flight, run here without an operation (the Operation, the engine and the
+    record cost a 1-4 MiB call ~40 us: bench/results/steps_alone_s28/): the
+    peer's fingerprint, then the steps, each wait at most PEER_SPIN_S.
+    (done, met): not done, DirectShmAllReduceOp(started=...) takes them over -
+    a peer not there yet (its sleep and doorbells), a fingerprint that differs
+    (its MismatchError), a peer asleep (the doorbell to ring), a step that
+    waits longer (its stall watch). A failed read raises here, its steps as
+    they stood."""
+    deadline = time.perf_counter() + PEER_SPIN_S
+    while (theirs := pair.peer_fingerprint(seq)) is None:
+        if time.perf_counter() > deadline:
+            return False, False
+    if (fingerprint is not None and theirs.tobytes() != fingerprint.raw) or pair.peer_waiting(seq):
+        return False, False
+    deadline = time.perf_counter() + PEER_SPIN_S
+    while not steps.done:
+        if steps.advance():
+            deadline = time.perf_counter() + PEER_SPIN_S
+        elif time.perf_counter() > deadline:
+            return False, True
+    return True, True
+
+
+class LightRecord:
+    """What last_stats() shows for a call run without an operation (run_steps_alone,
+    lane_ops.Lane.exchange): the keys of SegmentMeetingOp.stats(), built only when asked."""
+
+    __slots__ = ("name", "seq", "nbytes", "t_start", "t_end", "algorithm")
+
+    def __init__(self, name: str, seq: int, nbytes: int, t_start: float, t_end: float, algorithm: str):
+        self.name, self.seq, self.nbytes, self.t_start, self.t_end = name, seq, nbytes, t_start, t_end
+        self.algorithm = algorithm
+
+    def stats(self) -> dict:
+        return {"op": self.name, "seq": self.seq, "duration_s": self.t_end - self.t_start,
+                "t_start_wall": wall(self.t_start), "bytes_per_plane": {UP: self.nbytes, OUT: 0},
+                "algorithm": self.algorithm, "channels": 1, "policy": "direct", "stages": [],
+                "slept_for_peer": False, "rang_peer": False}
 
 
 class DirectReduceScatterOp(DirectAllReduceOp):

@@ -36,9 +36,8 @@ from .direct_ops import SegmentMeetingOp, peer_part
 from .errors import ProtocolError
 from .fingerprint import Fingerprint
 from .reduce import reduce_to
-from .telemetry import wall
 from .transports.shm import LANE_MAX_BYTES, LANE_SLOTS
-from .windows import OUT, UP
+from .windows import UP
 
 LANE_COLLECTIVES = frozenset(("all_reduce", "barrier", "reduce_scatter", "all_gather", "all_to_all", "broadcast",
                               "reduce"))
@@ -124,22 +123,6 @@ class Lane:
                 self._views.clear()
             views = self._views[key] = self.pair.lane_views(seq, dtype, count)
         return views
-
-
-class LaneRecord:
-    """What last_stats() shows for an operation Lane.exchange ran: the same
-    keys as LaneOp.stats(), built only when asked."""
-
-    __slots__ = ("name", "seq", "nbytes", "t_start", "t_end")
-
-    def __init__(self, name: str, seq: int, nbytes: int, t_start: float, t_end: float):
-        self.name, self.seq, self.nbytes, self.t_start, self.t_end = name, seq, nbytes, t_start, t_end
-
-    def stats(self) -> dict:
-        return {"op": self.name, "seq": self.seq, "duration_s": self.t_end - self.t_start,
-                "t_start_wall": wall(self.t_start), "bytes_per_plane": {UP: self.nbytes, OUT: 0},
-                "algorithm": LaneOp.algorithm, "channels": 1, "policy": "direct", "stages": [],
-                "slept_for_peer": False, "rang_peer": False}
 
 
 class LaneOp(SegmentMeetingOp):

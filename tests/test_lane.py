@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from mpccs import direct_ops
-from mpccs.direct_ops import peer_part
-from mpccs.lane_ops import DONE, POSTED, UNPOSTED, Lane, LaneOp, LaneRecord, combine, takes_lane
+from mpccs.direct_ops import LightRecord, peer_part
+from mpccs.lane_ops import DONE, POSTED, UNPOSTED, Lane, LaneOp, combine, takes_lane
 from mpccs.transports import shm
 from mpccs.transports.shm import FLAG_WAITING, LANE_MAX_BYTES, SEGMENT_BYTES, ShmPair
 from rankpool import RankPool
@@ -179,7 +179,7 @@ def test_the_bound_applies_to_what_a_rank_publishes_at_most():
 
 
 def test_the_lazy_record_has_the_operations_keys():
-    record = LaneRecord("all_reduce", 7, 8, 1.0, 1.5).stats()
+    record = LightRecord("all_reduce", 7, 8, 1.0, 1.5, "direct_lane").stats()
     assert record["algorithm"] == LaneOp.algorithm == "direct_lane"
     assert record["bytes_per_plane"] == {"up": 8, "out": 0} and record["duration_s"] == 0.5
     keys = {"op", "seq", "duration_s", "t_start_wall", "bytes_per_plane", "algorithm", "channels", "policy",
