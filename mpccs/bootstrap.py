@@ -239,3 +239,12 @@ def rendezvous(environ=None, timeout_s: float = 60.0) -> Bootstrap:
 
 def hostname() -> str:
     return os.environ.get("MPCCS_HOSTNAME") or socket.gethostname()
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity mask (a launcher's binding,
+    a container's cpuset), or the machine's count where there is none."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (not Linux)
+        return os.cpu_count() or 1

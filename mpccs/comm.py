@@ -15,7 +15,7 @@ import numpy as np
 from . import arrays, staging
 from . import algorithms, fingerprint, shm_steps
 from .algorithms import Topology, resumable_in_place
-from .bootstrap import Bootstrap, hostname, rendezvous
+from .bootstrap import Bootstrap, hostname, rendezvous, usable_cores
 from .config import (DEFAULT_UP_TLS_CPU, GPU_DIRECT_OUT_TLS, GPU_DIRECT_UP_TLS, Options, load_options, parse_policy,
                      with_device_tls)
 from .collective_op import CollectiveOp
@@ -141,6 +141,7 @@ class Communicator:
                               plane_timeout_s=options.plane_timeout_s, reprobe_s=options.reprobe_s,
                               out_pacer=pacer)
         self._engine.liveness = self._lost_local_peers
+        self._engine.share_cores(self.local_size > usable_cores())
         if self.size == 2 and boot.store is not None:
             self._engine.shm = shm.open_pair(boot.store, self.rank, options.rendezvous_timeout_s,
                                              willing=self._shm_willing(options), cma_willing=options.cma)
@@ -195,6 +196,11 @@ class Communicator:
             except PermissionError:
                 pass  # exists, owned by someone else
         return lost
+
+    @property
+    def local_size(self) -> int:
+        """How many ranks run on this rank's host."""
+        return sum(1 for host in self.hosts if host == self.hosts[self.rank])
 
     def _derive_local_rank(self) -> int:
         return sum(1 for r in range(self.rank) if self.hosts[r] == self.hosts[self.rank])

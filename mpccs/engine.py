@@ -28,6 +28,12 @@ from .windows import OUT, UP, Pacer
 
 ABORT_REASON_MAX = 1024
 IDLE_SPINS_BEFORE_YIELD = 16
+# Where this host runs more ranks than this rank may use cores, a waiting rank
+# spins on a core that the rank it waits for needs: it yields at its first idle
+# round instead. All_reduce on 2 cores, four alternating rounds, us a call
+# against 16 idle rounds first: 8 B 260-337 / 344-413 (3 ranks), 303-402 /
+# 411-527 (4 ranks); 1 MiB 1.07-1.53x at 4 ranks (bench/results/oversubscribed_s28/).
+IDLE_SPINS_BEFORE_YIELD_OVERSUBSCRIBED = 1
 SCRATCH_POOL_BYTES = 8 << 20  # reduction chunks kept for reuse: the default windows' worth (up + out)
 IDLE_SPINS_BEFORE_SLEEP = 256  # then block on the planes' event fds ...
 IDLE_SLEEP_S = 0.001  # ... for at most this long (bounds the cost of a missed wake-up)
@@ -51,6 +57,7 @@ class Engine:
         self._trash = np.empty(1 << 20, dtype=np.uint8)
         self._abort_sends: list = []
         self._poller = None
+        self.idle_spins_before_yield = IDLE_SPINS_BEFORE_YIELD  # (share_cores)
         self.decisions = DecisionCache()
         self.liveness: Optional[Callable[[], list]] = None  # returns ranks known to be gone
         self.health = PlaneHealth(rank, comm_id, planes, plane_timeout_s, reprobe_s)
@@ -366,6 +373,12 @@ class Engine:
                 return other
         return None
 
+    def share_cores(self, oversubscribed: bool) -> None:
+        """Whether this host runs more ranks than this rank has cores (the communicator
+        counts them): a waiting rank then yields at its first idle round."""
+        self.idle_spins_before_yield = IDLE_SPINS_BEFORE_YIELD_OVERSUBSCRIBED if oversubscribed \
+            else IDLE_SPINS_BEFORE_YIELD
+
     def sleep_until_event(self, timeout_s: float) -> None:
         """Block until a plane has an event (or timeout); returns at once if one is pending."""
         planes = list(self.planes.values())
@@ -454,7 +467,7 @@ class Engine:
                 idle += 1
                 if idle > IDLE_SPINS_BEFORE_SLEEP and not any(o.polls_memory for o in self.active):
                     self.sleep_until_event(IDLE_SLEEP_S)
-                elif idle > IDLE_SPINS_BEFORE_YIELD:
+                elif idle > self.idle_spins_before_yield:
                     # Ranks may share cores (2-core machines, oversubscribed
                     # tests): give the peer we wait for a chance to run.
                     os.sched_yield()
