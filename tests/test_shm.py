@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 import mpccs
+from mpccs import engine
+from mpccs.bootstrap import usable_cores
 from mpccs.shm_steps import ShmSteps
 from mpccs.transports import shm
 from mpccs.transports.shm import FLAG_POSTED, SEGMENT_BYTES, ShmPair
@@ -132,16 +134,27 @@ def test_one_unwilling_rank_closes_them_on_both():
         pool.close()
 
 
-def test_three_ranks_have_no_segments():
+def test_three_ranks_have_no_segments_and_yield_at_once_where_cores_are_fewer():
     pool = RankPool(3)
     try:
-        assert pool.run(segments_of) == [None, None, None]
+        for segments, local_size, cores, spins in pool.run(segments_and_cores):
+            assert segments is None and local_size == 3
+            assert spins == (engine.IDLE_SPINS_BEFORE_YIELD_OVERSUBSCRIBED if cores < 3
+                             else engine.IDLE_SPINS_BEFORE_YIELD), (cores, spins)
     finally:
         pool.close()
 
 
-def segments_of(comm):
-    return comm._engine.shm
+def segments_and_cores(comm):
+    return comm._engine.shm, comm.local_size, usable_cores(), comm._engine.idle_spins_before_yield
+
+
+def test_usable_cores_are_the_affinity_mask(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5})
+    assert usable_cores() == 3
+    monkeypatch.delattr(os, "sched_getaffinity")
+    monkeypatch.setattr(os, "cpu_count", lambda: 7)
+    assert usable_cores() == 7
 
 
 def async_calls_in_flight(comm):
