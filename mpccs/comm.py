@@ -803,11 +803,8 @@ class Communicator:
         except BaseException as exc:  # noqa: BLE001 - failed as the operation's own advance would (Operation.advance)
             failure, done, met = exc, False, True
         if done:
-            if finalize is not None:
-                finalize()
-            nbytes = kind.peer_bytes(name, send, self.rank, root)
-            self._telemetry.counters.count_light(name, {UP: nbytes, OUT: 0})
-            self._last_stats = LightRecord(name, seq, nbytes, t_start, time.perf_counter(), kind.algorithm)
+            self._finished_alone(name, seq, kind.peer_bytes(name, send, self.rank, root), t_start, kind.algorithm,
+                                 finalize)
             return result
         dop = kind(engine, seq, send, out, op, self.size, fp, finalize, name, **extra,
                    started=StartedSteps(steps, met, t_start))
@@ -818,6 +815,14 @@ class Communicator:
             dop._fail(failure)
         self._wait_usable(dop, None)
         return result
+
+    def _finished_alone(self, name: str, seq: int, nbytes: int, t_start: float, algorithm: str, finalize) -> None:
+        """A call that ran without an operation (the lane's exchange, steps run alone)
+        is done: its finalize, its counts, and a record built only if asked."""
+        if finalize is not None:
+            finalize()
+        self._telemetry.counters.count_light(name, {UP: nbytes, OUT: 0})
+        self._last_stats = LightRecord(name, seq, nbytes, t_start, time.perf_counter(), algorithm)
 
     def _direct_fingerprint(self, name, op, send, algorithm: str, root):
         """A direct or lane call's fingerprint (None: fingerprints off)."""
@@ -837,11 +842,7 @@ class Communicator:
             t_start = time.perf_counter()
             outcome = self._lane.exchange(seq, name, send, out, op, root, parts, fingerprint_words(fp))
             if outcome == LANE_DONE:
-                if finalize is not None:
-                    finalize()
-                self._telemetry.counters.count_light(name, {UP: parts[0].nbytes, OUT: 0})
-                self._last_stats = LightRecord(name, seq, parts[0].nbytes, t_start, time.perf_counter(),
-                                               LaneOp.algorithm)
+                self._finished_alone(name, seq, parts[0].nbytes, t_start, LaneOp.algorithm, finalize)
                 return result
             posted = outcome == LANE_POSTED
         lane_op = LaneOp(engine, seq, send, out, op, fp, finalize, name, lane=self._lane, parts=parts,
