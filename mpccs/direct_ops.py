@@ -714,9 +714,12 @@ def run_steps_alone(pair, seq: int, steps, fingerprint: Optional[Fingerprint]) -
 
 class LightRecord:
     """What last_stats() shows for a call run without an operation (run_steps_alone,
-    lane_ops.Lane.exchange): the keys of SegmentMeetingOp.stats(), built only when asked."""
+    lane_ops.Lane.exchange): the keys of SegmentMeetingOp.stats(), built only when asked.
+    Also what the Work of an async call that finished at once holds: an
+    operation finished without error, as Work and Engine.wait read one."""
 
     __slots__ = ("name", "seq", "nbytes", "t_start", "t_end", "algorithm")
+    finished, error, posts_when_built = True, None, False
 
     def __init__(self, name: str, seq: int, nbytes: int, t_start: float, t_end: float, algorithm: str):
         self.name, self.seq, self.nbytes, self.t_start, self.t_end = name, seq, nbytes, t_start, t_end

@@ -93,14 +93,15 @@ class Lane:
         self._views: dict = {}  # (slot, dtype, count) -> the slot views (ShmPair.lane_views)
 
     def exchange(self, seq: int, name: str, send: np.ndarray, out: np.ndarray, op: str, root,
-                 parts: tuple[np.ndarray, int], words: tuple[int, int]) -> int:
-        """DONE (out holds the result), UNPOSTED or POSTED (module docstring); ``parts``: peer_part'."""
+                 parts: tuple[np.ndarray, int], words: tuple[int, int], spin_s: float) -> int:
+        """DONE (out holds the result), UNPOSTED or POSTED (module docstring); ``parts``:
+        peer_part's; ``spin_s``: how long to poll for the peer (ShmPair.lane_met)."""
         pair = self.pair
         if not pair.lane_free(seq):
             return UNPOSTED
         posted, count = parts
         self.post(seq, posted, words)
-        if not pair.lane_met(seq, count * send.itemsize, words, direct_ops.PEER_SPIN_S):
+        if not pair.lane_met(seq, count * send.itemsize, words, spin_s):
             return POSTED
         self.take(seq, name, send, out, op, root, count)
         return DONE

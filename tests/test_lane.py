@@ -1,6 +1,7 @@
 """The lane (lane_ops.py): small 2-rank all_reduces and barriers whole through
 the shared-memory segments, without an Operation in the common case."""
 import mmap
+import time
 
 import numpy as np
 import pytest
@@ -91,17 +92,13 @@ def test_exchange_reduces_in_rank_order_and_says_what_it_did(rank):
 
     def exchange(seq):
         parts = peer_part("all_reduce", ins[rank], rank, None)
-        return lane.exchange(seq, "all_reduce", ins[rank], out, "sum", None, parts, WORDS)
+        return lane.exchange(seq, "all_reduce", ins[rank], out, "sum", None, parts, WORDS, 1e-3)
 
     assert exchange(1) == DONE
     assert out.tobytes() == (ins[0] + ins[1]).tobytes()
     assert pairs[1 - rank].lane_free(3)  # read: the peer's slot 1 may take its operation 3
-    direct_ops_spin, direct_ops.PEER_SPIN_S = direct_ops.PEER_SPIN_S, 1e-3
-    try:
-        assert exchange(2) == POSTED
-        assert exchange(4) == UNPOSTED  # slot 0: operation 2, unread
-    finally:
-        direct_ops.PEER_SPIN_S = direct_ops_spin
+    assert exchange(2) == POSTED  # nothing of the peer's within the 1 ms asked
+    assert exchange(4) == UNPOSTED  # slot 0: operation 2, unread
 
 
 def _two_ranks(name, ins, outs, root=None, op="sum"):
@@ -243,6 +240,33 @@ def test_async_calls_in_flight_use_both_slots_in_turn(pool):
     for results, algorithm, op in pool.run(async_calls_and_barriers):
         assert results == [[2 * k + 1] * 3 for k in reversed(range(5))]
         assert (algorithm, op) == ("direct_lane", "barrier")
+
+
+def async_calls_one_rank_late(comm):
+    """Rank 1 calls 20 ms after rank 0, five times: its async call finds rank 0's
+    payload at once and returns a Work already done (no operation); rank 0's call
+    is an operation, left alone meanwhile (waited on, it would sleep, and a
+    sleeping peer is rung by an operation), that finishes later."""
+    rows = []
+    for k in range(5):
+        comm.barrier()
+        if comm.rank == 1:
+            time.sleep(0.02)
+        x = np.full(4, k + comm.rank, np.float32)
+        work = comm.all_reduce(x, async_op=True)
+        if comm.rank == 0:
+            time.sleep(0.04)
+        done_at_once = work.is_completed() and isinstance(work._op, LightRecord)
+        result = work.wait()
+        rows.append((done_at_once, result.tolist() == [2 * k + 1] * 4, work.stats()["algorithm"],
+                     work.exception() is None))
+    return rows
+
+
+def test_an_async_call_whose_peer_is_there_is_done_when_it_returns(pool):
+    early, late = pool.run(async_calls_one_rank_late)
+    assert late == [(True, True, "direct_lane", True)] * 5
+    assert early == [(False, True, "direct_lane", True)] * 5
 
 
 def late_peer(comm, late_rank):
