@@ -725,9 +725,13 @@ class LightRecord:
         self.name, self.seq, self.nbytes, self.t_start, self.t_end = name, seq, nbytes, t_start, t_end
         self.algorithm = algorithm
 
+    @property
+    def bytes_per_plane(self) -> dict:
+        return {UP: self.nbytes, OUT: 0}
+
     def stats(self) -> dict:
         return {"op": self.name, "seq": self.seq, "duration_s": self.t_end - self.t_start,
-                "t_start_wall": wall(self.t_start), "bytes_per_plane": {UP: self.nbytes, OUT: 0},
+                "t_start_wall": wall(self.t_start), "bytes_per_plane": self.bytes_per_plane,
                 "algorithm": self.algorithm, "channels": 1, "policy": "direct", "stages": [],
                 "slept_for_peer": False, "rang_peer": False}
 

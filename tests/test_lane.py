@@ -259,14 +259,14 @@ def async_calls_one_rank_late(comm):
         done_at_once = work.is_completed() and isinstance(work._op, LightRecord)
         result = work.wait()
         rows.append((done_at_once, result.tolist() == [2 * k + 1] * 4, work.stats()["algorithm"],
-                     work.exception() is None))
+                     work.exception() is None, work._op.bytes_per_plane == {"up": 16, "out": 0}))
     return rows
 
 
 def test_an_async_call_whose_peer_is_there_is_done_when_it_returns(pool):
     early, late = pool.run(async_calls_one_rank_late)
-    assert late == [(True, True, "direct_lane", True)] * 5
-    assert early == [(False, True, "direct_lane", True)] * 5
+    assert late == [(True, True, "direct_lane", True, True)] * 5
+    assert early == [(False, True, "direct_lane", True, True)] * 5
 
 
 def late_peer(comm, late_rank):
