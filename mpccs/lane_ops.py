@@ -132,10 +132,11 @@ class LaneOp(SegmentMeetingOp):
     Each rank puts what it publishes (peer_part) in its lane slot and its
     fingerprint in the ring after it (ShmPair.post_lane). Once the peer's
     entry for this operation is there and matches (SegmentMeetingOp: past
-    PEER_SPIN_S it sleeps and looks for a fingerprint message), each combines from the peer's slot straight into its output
-    and tells the peer it read the slot (FLAG_LANE_TAKEN + slot). A slot is
-    written again only after that (ShmPair.lane_free), so a rank one
-    operation ahead never overwrites what its peer has yet to read.
+    PEER_SPIN_S it sleeps and looks for a fingerprint message), each combines
+    from the peer's slot straight into its output and tells the peer it read
+    the slot (FLAG_LANE_TAKEN + slot). A slot is written again only after
+    that (ShmPair.lane_free), so a rank one operation ahead never overwrites
+    what its peer has yet to read.
     ``posted``: Lane.exchange posted it already. ``lane``: the
     communicator's Lane, whose copies and views it shares.
 

@@ -242,31 +242,36 @@ def test_async_calls_in_flight_use_both_slots_in_turn(pool):
         assert (algorithm, op) == ("direct_lane", "barrier")
 
 
-def async_calls_one_rank_late(comm):
-    """Rank 1 calls 20 ms after rank 0, five times: its async call finds rank 0's
-    payload at once and returns a Work already done (no operation); rank 0's call
-    is an operation, left alone meanwhile (waited on, it would sleep, and a
-    sleeping peer is rung by an operation), that finishes later."""
-    rows = []
-    for k in range(5):
-        comm.barrier()
-        if comm.rank == 1:
-            time.sleep(0.02)
-        x = np.full(4, k + comm.rank, np.float32)
-        work = comm.all_reduce(x, async_op=True)
-        if comm.rank == 0:
-            time.sleep(0.04)
-        done_at_once = work.is_completed() and isinstance(work._op, LightRecord)
-        result = work.wait()
-        rows.append((done_at_once, result.tolist() == [2 * k + 1] * 4, work.stats()["algorithm"],
-                     work.exception() is None, work._op.bytes_per_plane == {"up": 16, "out": 0}))
+def async_calls_one_rank_after_the_other(comm):
+    """Rank 1 calls only once rank 0's payload for the call is in its segment,
+    five times: its async call finds it and returns a Work already done (no
+    operation). PEER_SPIN_S is long here so that rank 0, whose operation waits
+    meanwhile, never goes to sleep (a sleeping peer is rung by an operation):
+    nothing in the order rests on timing."""
+    spin, direct_ops.PEER_SPIN_S = direct_ops.PEER_SPIN_S, 10.0
+    pair, rows = comm._engine.shm, []
+    try:
+        for k in range(5):
+            comm.barrier()
+            if comm.rank == 1:
+                deadline = time.monotonic() + 10
+                while pair.peer_fingerprint(comm._seq + 1) is None and time.monotonic() < deadline:
+                    pass
+            x = np.full(4, k + comm.rank, np.float32)
+            work = comm.all_reduce(x, async_op=True)
+            done_at_once = work.is_completed() and isinstance(work._op, LightRecord)
+            result = work.wait()
+            rows.append((done_at_once, result.tolist() == [2 * k + 1] * 4, work.stats()["algorithm"],
+                         work.exception() is None, work._op.bytes_per_plane == {"up": 16, "out": 0}))
+    finally:
+        direct_ops.PEER_SPIN_S = spin
     return rows
 
 
 def test_an_async_call_whose_peer_is_there_is_done_when_it_returns(pool):
-    early, late = pool.run(async_calls_one_rank_late)
-    assert late == [(True, True, "direct_lane", True, True)] * 5
-    assert early == [(False, True, "direct_lane", True, True)] * 5
+    first, second = pool.run(async_calls_one_rank_after_the_other)
+    assert second == [(True, True, "direct_lane", True, True)] * 5
+    assert [row[1:] for row in first] == [(True, "direct_lane", True, True)] * 5  # done at once or not
 
 
 def late_peer(comm, late_rank):
