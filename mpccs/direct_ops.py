@@ -446,14 +446,18 @@ class SegmentMeetingOp(Operation):
     posts_when_built = True
 
     def __init__(self, engine, seq, send: np.ndarray, out: np.ndarray, op: str,
-                 fingerprint: Optional[Fingerprint], finalize: Optional[Callable], name: str):
+                 fingerprint: Optional[Fingerprint], finalize: Optional[Callable], name: str, *,
+                 segments=None, peers: Optional[tuple] = None):
         super().__init__(engine, seq)
         self.name, self.op, self.out, self.finalize, self.fingerprint = name, op, out, finalize, fingerprint
         self.mine = send
         self.wire_seq = wire.attempt_seq(seq, 0)
-        self.peer = 1 - engine.rank
-        self.spin_planes = (engine.control_plane(self.peer),)
-        self._pair = engine.shm  # the segments this call was chosen for (the engine's may change later)
+        # ``peers``: every rank it meets (a group lane's: group_lane_ops.py); 2 ranks by default.
+        self.peers = peers if peers is not None else (1 - engine.rank,)
+        self.peer = self.peers[0]
+        self.spin_planes = tuple(dict.fromkeys(engine.control_plane(p) for p in self.peers))
+        # The segments this call was chosen for (the engine's may change later).
+        self._pair = segments if segments is not None else engine.shm
         self._met = False  # the peer's fingerprint for this operation is in its segment and matched
         self._asleep = False  # this rank posted FLAG_WAITING: it sleeps on the planes' events
         self._since = 0.0  # when this rank published its part
@@ -492,33 +496,36 @@ class SegmentMeetingOp(Operation):
             self._ring()
         return True
 
-    def _ring(self) -> None:
-        plane = self.engine.control_plane(self.peer)
+    def _ring(self, peer: Optional[int] = None) -> None:
+        peer = self.peer if peer is None else peer
+        plane = self.engine.control_plane(peer)
         tag = wire.make_tag(wire.KIND_CTRL, self.engine.comm_id, self.wire_seq, self.engine.rank, wire.CTRL_DOORBELL)
-        self._doorbells.append(plane.send(self.peer, _DOORBELL, tag))
+        self._doorbells.append(plane.send(peer, _DOORBELL, tag))
 
-    def _look_for_messages(self) -> None:
+    def _look_for_messages(self, peers: Optional[tuple] = None) -> None:
         """While asleep: take the doorbells that woke this rank (stale ones from an
-        earlier operation too), and fail on a fingerprint message from the peer."""
-        engine, peer = self.engine, self.peer
-        bell = wire.make_tag(wire.KIND_CTRL, engine.comm_id, 0, peer, wire.CTRL_DOORBELL)
-        fp_tag = wire.make_tag(wire.KIND_CTRL, engine.comm_id, self.wire_seq, peer, wire.CTRL_FINGERPRINT)
-        for plane in engine.planes_from(peer):
-            while (probe := plane.probe(bell, wire.ctrl_any_seq_mask())) is not None:
-                plane.take(probe)
-            probe = plane.probe(fp_tag, wire.FULL_MASK) if self.fingerprint is not None else None
-            if probe is not None:
-                self._fail_on_message(np.frombuffer(plane.take(probe), np.uint8))
+        earlier operation too), and fail on a fingerprint message from a peer
+        (``peers``: those not met yet; default: the one peer)."""
+        engine = self.engine
+        for peer in (self.peers if peers is None else peers):
+            bell = wire.make_tag(wire.KIND_CTRL, engine.comm_id, 0, peer, wire.CTRL_DOORBELL)
+            fp_tag = wire.make_tag(wire.KIND_CTRL, engine.comm_id, self.wire_seq, peer, wire.CTRL_FINGERPRINT)
+            for plane in engine.planes_from(peer):
+                while (probe := plane.probe(bell, wire.ctrl_any_seq_mask())) is not None:
+                    plane.take(probe)
+                probe = plane.probe(fp_tag, wire.FULL_MASK) if self.fingerprint is not None else None
+                if probe is not None:
+                    self._fail_on_message(np.frombuffer(plane.take(probe), np.uint8), peer)
 
-    def _fail_on_message(self, message: np.ndarray) -> None:
-        """The peer sent a fingerprint message for this operation: it called
+    def _fail_on_message(self, message: np.ndarray, peer: int) -> None:
+        """``peer`` sent a fingerprint message for this operation: it called
         something that does not run through the segments."""
         if message.size < FP_BYTES:
             raise ProtocolError(f"malformed fingerprint message of {message.size} bytes", rank=self.engine.rank,
-                                peer=self.peer, op=self.name)
-        check_fingerprint(self, message, self.peer, (self.peer,), self.wire_seq)  # raises: the algorithms differ
-        raise ProtocolError(f"rank {self.peer} sent a fingerprint message for operation #{self.seq}, which this "
-                            "rank runs through the shared-memory segments", rank=self.engine.rank, peer=self.peer,
+                                peer=peer, op=self.name)
+        check_fingerprint(self, message, peer, self.peers, self.wire_seq)  # raises: the algorithms differ
+        raise ProtocolError(f"rank {peer} sent a fingerprint message for operation #{self.seq}, which this "
+                            "rank runs through the shared-memory segments", rank=self.engine.rank, peer=peer,
                             op=self.name)
 
     def _let_go_of_arrays(self) -> None:

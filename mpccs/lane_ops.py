@@ -32,7 +32,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import direct_ops
-from .direct_ops import SegmentMeetingOp, peer_part
+from .direct_ops import SegmentMeetingOp
 from .errors import ProtocolError
 from .fingerprint import Fingerprint
 from .reduce import reduce_to
@@ -90,6 +90,7 @@ class Lane:
 
     def __init__(self, pair, rank: int):
         self.pair, self.rank = pair, rank
+        self.peers = (1 - rank,)
         self._views: dict = {}  # (slot, dtype, count) -> the slot views (ShmPair.lane_views)
 
     def exchange(self, seq: int, name: str, send: np.ndarray, out: np.ndarray, op: str, root,
@@ -149,7 +150,7 @@ class LaneOp(SegmentMeetingOp):
                  fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,
                  name: str = "all_reduce", *, lane: Lane, parts: tuple[np.ndarray, int], root=None,
                  posted: bool = False):
-        super().__init__(engine, seq, send, out, op, fingerprint, finalize, name)
+        super().__init__(engine, seq, send, out, op, fingerprint, finalize, name, segments=lane.pair, peers=lane.peers)
         self._posted, self._lane, self._words = posted, lane, fingerprint_words(fingerprint)
         self._payload, self._count = parts
         self.root = root
