@@ -26,13 +26,15 @@ from .direct_ops import (DIRECT_BLOCKS_MIN_BYTES, DIRECT_CMA_BLOCK_BYTES, DIRECT
                          peer_part, run_steps_alone)
 from .engine import Engine
 from .flows import Splitter
+from .group_lane_ops import GroupLane, GroupLaneOp, takes_group_lane, published as published_by_group
 from .lane_ops import DONE as LANE_DONE, POSTED as LANE_POSTED, Lane, LaneOp, fingerprint_words, takes_lane
 from .operation import Operation
 from .p2p_ops import RecvOp, SendOp
 from .errors import CommunicatorAborted, ConfigError, MismatchError, MpccsError, TransportError
 from .reduce import finish_avg
 from .telemetry import Telemetry
-from .transports import shm
+from .transports import shm, shm_group
+from .transports.shm_group import GROUP_MAX_RANKS
 from .transports.plane import Plane
 from .two_step import MAX_HALF_BYTES as TWO_STEP_MAX_HALF_BYTES
 from .control.split import PathModel
@@ -146,6 +148,12 @@ class Communicator:
             self._engine.shm = shm.open_pair(boot.store, self.rank, options.rendezvous_timeout_s,
                                              willing=self._shm_willing(options), cma_willing=options.cma)
         self._lane = Lane(self._engine.shm, self.rank) if self._engine.shm is not None else None
+        self._group = None  # the group lane's segments (3 to 8 ranks on one host: transports/shm_group.py)
+        if 2 < self.size <= GROUP_MAX_RANKS and boot.store is not None:
+            self._group = shm_group.open_group(boot.store, self.rank, self.size, options.rendezvous_timeout_s,
+                                               willing=self._group_willing(options),
+                                               yields=self.local_size > usable_cores())
+        self._group_lane = GroupLane(self._group, self.rank) if self._group is not None else None
         self._telemetry = Telemetry(options.trace, self.rank)
         self._policy = None
         self.set_path_policy(options.path_policy)
@@ -172,6 +180,13 @@ class Communicator:
         up = self._planes.get(UP)
         return (opts.shm and shm.supported() and self.hosts[0] == self.hosts[1] and up is not None
                 and not up.failable and up.reaches(1 - self.rank))
+
+    def _group_willing(self, opts: Options) -> bool:
+        """The group lane's condition, as _shm_willing's for a pair: every rank on
+        this host and 'up' the shared-memory plane that reaches every peer."""
+        up = self._planes.get(UP)
+        return (opts.shm and shm.supported() and len(set(self.hosts)) == 1 and up is not None
+                and not up.failable and all(up.reaches(r) for r in range(self.size) if r != self.rank))
 
     def _lost_local_peers(self) -> list[int]:
         """Ranks on this host whose process no longer exists.
@@ -302,10 +317,13 @@ class Communicator:
             except MpccsError:
                 pass
         self._closed = True
-        self._lane = None  # (its slot views of the segments go first)
+        self._lane = self._group_lane = None  # (their slot views of the segments go first)
         if self._engine.shm is not None:
             self._engine.shm.close()
             self._engine.shm = None
+        if self._group is not None:
+            self._group.close()
+            self._group = None
         for plane in self._planes.values():
             plane.close()
         self._telemetry.close()
@@ -769,6 +787,8 @@ class Communicator:
     def _run_direct(self, name, send, out, op, result, async_op, finalize=None, root=None):
         if takes_lane(self._engine.shm, name, send):
             return self._run_lane(name, send, out, op, result, async_op, finalize, root)
+        if takes_group_lane(self._group, name, send):
+            return self._run_group_lane(name, send, out, op, result, async_op, finalize, root)
         # Always the control plane (scale-up where it reaches): both ends must
         # agree on the plane without a round trip, and plane state (a plane
         # down, rejoining) may differ between ranks for a moment.
@@ -851,6 +871,12 @@ class Communicator:
             posted = outcome == LANE_POSTED
         lane_op = LaneOp(engine, seq, send, out, op, fp, finalize, name, lane=self._lane, parts=parts,
                          root=root, posted=posted)
+        return self._drive_lane_op(lane_op, result, async_op)
+
+    def _drive_lane_op(self, lane_op, result, async_op: bool):
+        """A lane operation (2 ranks or a group) the exchange did not finish: run
+        alone first where it can be, else through the engine."""
+        engine = self._engine
         lane_op.on_finish.append(self._record)
         if async_op or engine.active:
             lane_op.advance()  # one look: a peer already there finishes it now
@@ -863,6 +889,23 @@ class Communicator:
             return Work(self, lane_op, result)
         self._wait_usable(lane_op, None)
         return result
+
+    def _run_group_lane(self, name, send, out, op, result, async_op, finalize, root):
+        """A call of 3 to 8 ranks through the group lane (group_lane_ops), run as
+        _run_lane runs a 2-rank one."""
+        fp = self._direct_fingerprint(name, op, send, GroupLaneOp.algorithm, root)
+        seq, engine, posted, lane = self._next_seq(), self._engine, False, self._group_lane
+        if not engine.active and self._records_light():
+            t_start = time.perf_counter()
+            payload = published_by_group(name, send, self.rank, root)
+            outcome = lane.exchange(seq, name, send, out, op, root, payload, fingerprint_words(fp),
+                                    spin_s=0.0 if async_op else direct_ops.PEER_SPIN_S)
+            if outcome == LANE_DONE:
+                self._finished_alone(name, seq, payload.nbytes, t_start, GroupLaneOp.algorithm, finalize)
+                return Work(self, self._last_stats, result) if async_op else result
+            posted = outcome == LANE_POSTED
+        lane_op = GroupLaneOp(engine, seq, send, out, op, fp, finalize, name, lane=lane, root=root, posted=posted)
+        return self._drive_lane_op(lane_op, result, async_op)
 
     def _through_segments(self, send: np.ndarray) -> bool:
         """A direct all_reduce the shared-memory segments carry (DirectShmAllReduceOp):

@@ -181,7 +181,7 @@ class Options:
     fingerprint: bool = True
     failover: bool = True  # retry a collective on the plane left when one fails
     two_step: bool = True  # 2-rank all_reduce on 'up' alone: two messages each way, not the DAG (two_step.py)
-    shm: bool = True  # 2 ranks on one host: blocks up to 2 MiB through shared-memory segments (shm_steps.py)
+    shm: bool = True  # ranks on one host: small calls and 2-rank blocks through shared-memory segments (shm.py, shm_group.py)
     cma: bool = True  # with the segments: 2-rank collectives read the peer's blocks across processes (cma_steps.py)
     device_reduce: str = "auto"  # where reductions of device arrays are computed (DEVICE_REDUCE_MODES)
     gpu_direct: str = "auto"  # planes that read device memory (GPU_DIRECT_MODES)

@@ -14,6 +14,7 @@ from collective_cases import (DTYPES, REDUCING, check, dtype_of, expected_output
                               make_input, output_size)
 from mpccs.algorithms import ALGORITHMS
 from mpccs.transports import shm
+from mpccs.transports.shm_group import GROUP_LANE_MAX_BYTES
 from pairwise import all_pairs
 from rankpool import RankPool
 
@@ -293,18 +294,26 @@ def direct_all_gather_paths(comm):
 GATHER_BOUND = ((1 << 20) - 4, 1 << 20)
 
 
-def _small_path(world: str) -> str:
-    """Where a small or medium direct call runs: 2 ranks on one host take the lane
-    (lane_ops.py; where the segments open: x86-64 with /dev/shm), else messages."""
-    return "direct_lane" if world == "2" and shm.supported() else "direct"
+def _small_path(world: str, nbytes: int) -> str:
+    """Where a small or medium direct call whose ranks each publish ``nbytes`` at
+    most runs (where the segments open: x86-64 with /dev/shm): 2 ranks on one
+    host take the lane (lane_ops.py), 3 to 8 the group lane within its bound
+    (group_lane_ops.py), else messages."""
+    if not shm.supported():
+        return "direct"
+    return "direct_lane" if world == "2" or nbytes <= GROUP_LANE_MAX_BYTES else "direct"
 
 
 @pytest.mark.parametrize("world", ["2", "3"])
 def test_all_gather_direct_paths(pools, world):
     for r in pools(world).run(direct_all_gather_paths):
-        for case, path in (("small", _small_path(world)), ("medium", _small_path(world)), ("largest", "direct")):
+        for case, path in (("small", _small_path(world, 3 * 4)), ("medium", _small_path(world, 50_001 * 4)),
+                           ("largest", "direct")):
             assert r[case] == (True, path) and r[case + "_in_place"] == (True, path), r
         assert r["above"][0] and r["above"][1] != "direct" and r["above_in_place"][0], r
+
+
+SMALL_BLOCKS = {"empty": 0, "small": 3, "medium": 50_001}  # elements a rank sends each peer
 
 
 def direct_block_paths(comm):
@@ -313,7 +322,7 @@ def direct_block_paths(comm):
     p, me = comm.size, comm.rank
     out = {}
     with path_policy(comm, "adaptive"):
-        for name, n in (("empty", 0), ("small", 3), ("medium", 50_001), ("largest", GATHER_BOUND[0] // 4),
+        for name, n in (*SMALL_BLOCKS.items(), ("largest", GATHER_BOUND[0] // 4),
                         ("above", GATHER_BOUND[1] // 4)):
             send = _order_sensitive(me, n * p)
             expected = _rank_order_sum(p, n * p)[me * n:(me + 1) * n]
@@ -335,7 +344,7 @@ def test_reduce_scatter_and_all_to_all_direct_paths(pools, world):
     for r in pools(world).run(direct_block_paths):
         for kind in ("rs", "rs_in_place", "a2a"):
             for case in ("empty", "small", "medium", "largest"):
-                path = "direct" if case == "largest" else _small_path(world)
+                path = "direct" if case == "largest" else _small_path(world, SMALL_BLOCKS[case] * 4 * int(world))
                 assert r[kind, case] == (True, path), (kind, case, r[kind, case])
             assert r[kind, "above"][0] and r[kind, "above"][1] != "direct", (kind, r[kind, "above"])
 
@@ -375,8 +384,8 @@ def direct_reduce_paths(comm):
 def test_reduce_direct_paths(pools, world):
     for r in pools(world).run(direct_reduce_paths):
         for root in range(int(world)):
-            path = _small_path(world)
-            assert r["small", root] == (True, True, path) and r["medium", root] == (True, True, path), r
+            small, medium = _small_path(world, 3 * 4), _small_path(world, 50_001 * 4)
+            assert r["small", root] == (True, True, small) and r["medium", root] == (True, True, medium), r
             assert r["above", root][:2] == (True, True) and r["above", root][2] != "direct", r
 
 
@@ -384,8 +393,8 @@ def test_reduce_direct_paths(pools, world):
 def test_broadcast_direct_paths(pools, world):
     for r in pools(world).run(direct_broadcast_paths):
         for root in range(int(world)):
-            path = _small_path(world)
-            assert r["small", root] == (True, path) and r["medium", root] == (True, path), r
+            small, medium = _small_path(world, 3 * 4), _small_path(world, 50_001 * 4)
+            assert r["small", root] == (True, small) and r["medium", root] == (True, medium), r
             assert r["above", root][0] and r["above", root][1] != "direct", r
 
 
@@ -417,9 +426,15 @@ def test_async_collectives_run_one_at_a_time_in_call_order(pools):
         assert ordered and correct
 
 
-def small_async_same_size(comm):
+def small_async_same_size(comm, segments):
     # Same-size direct all_reduces share a buffer pool: in flight at once each
-    # needs its own buffers, and reused ones must not leak the last call's data.
+    # needs its own buffers, and reused ones must not leak the last call's data
+    # (through the group lane's segments: two slots taken in turn).
+    with shm_segments(comm, segments):
+        return _small_async_same_size(comm)
+
+
+def _small_async_same_size(comm):
     n = comm.size
     before = comm.metrics().get('operations_total{op="all_reduce"}', 0)
     xs = [np.full(16, comm.rank * 10 + i, np.int64) for i in range(6)]
@@ -432,11 +447,12 @@ def small_async_same_size(comm):
     return in_flight, again, counted, comm.last_stats()["algorithm"]
 
 
-def test_small_async_all_reduces_of_one_size_keep_their_own_buffers(pools):
-    for in_flight, again, counted, algorithm in pools("3").run(small_async_same_size):
+@pytest.mark.parametrize("segments", [False, True])
+def test_small_async_all_reduces_of_one_size_keep_their_own_buffers(pools, segments):
+    for in_flight, again, counted, algorithm in pools("3").run(small_async_same_size, segments):
         assert in_flight
         assert again == [3, 6, 9]
-        assert counted == 9 and algorithm == "direct"
+        assert counted == 9 and algorithm == (_small_path("3", 128) if segments else "direct")
 
 
 def reused_buffers_alternating_ops(comm):
@@ -607,13 +623,13 @@ def test_random_shapes_property(pools, shape, name):
 def shm_segments(comm, keep: bool):
     """Run a case with the pool rank's shared-memory segments closed to it unless
     ``keep`` (every rank of the case switches alike), and give them back after."""
-    pair = comm._engine.shm
+    pair, group = comm._engine.shm, comm._group
     if not keep:
-        comm._engine.shm = None
+        comm._engine.shm = comm._group = None
     try:
         yield
     finally:
-        comm._engine.shm = pair
+        comm._engine.shm, comm._group = pair, group
 
 
 @contextlib.contextmanager
@@ -688,15 +704,15 @@ def test_all_reduce_direct_paths_reduce_in_rank_order(pools, world):
     p = int(world)
     small_expected = _rank_order_sum(p, 4).tobytes()
     medium_expected = _rank_order_sum(p, (64 << 10) // 4 + 3).tobytes()
-    # 2 ranks on one host: through the segments (where they open: x86-64 with /dev/shm), whole
-    # through the lane up to 384 KiB, as halves above
+    # On one host through the segments (where they open: x86-64 with /dev/shm): 2 ranks whole
+    # through the lane up to 384 KiB, as halves above; 3 whole through the group lane up to 256 KiB
+    small_path, medium_path = _small_path(world, 4 * 4), _small_path(world, (64 << 10) + 3 * 4)
     segments = p == 2 and shm.supported()
-    whole = "direct_lane" if segments else "direct"
     for r in results:
         for policy in ("adaptive", "up"):
-            assert r[policy, "small"] == (small_expected, whole)  # bit-identical everywhere: rank order 0..p-1
-            assert r[policy, "medium"] == (medium_expected, whole)
-            assert r[policy, "medium_in_place"] == (medium_expected, whole)
+            assert r[policy, "small"] == (small_expected, small_path)  # bit-identical everywhere: rank order 0..p-1
+            assert r[policy, "medium"] == (medium_expected, medium_path)
+            assert r[policy, "medium_in_place"] == (medium_expected, medium_path)
             blocks_expected = _rank_order_sum(p, (768 << 10) // 4 + 3).tobytes()  # from DIRECT_BLOCKS_MIN_BYTES
             halves = "direct_shm" if segments else "direct_blocks"
             assert r[policy, "blocks"] == (blocks_expected, halves)

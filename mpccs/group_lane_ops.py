@@ -1,0 +1,205 @@
+"""The group lane: a small collective of a 3- to 8-rank job on one host whole
+through segments every rank maps (transports/shm_group.py), the N-rank form
+of the 2-rank lane (lane_ops.py).
+
+Why: on N ranks the direct path sends N - 1 UCX messages per rank and call
+and each costs tens of microseconds of Python and UCX; through the segments a
+call is one copy into the rank's own slot, a fingerprint entry, and reads of
+the other ranks' slots (bench/results/group_lane_s29/).
+
+Every rank publishes its whole input (a broadcast's non-root ranks: nothing)
+and takes what it needs from every other rank's slot, so one rule serves
+every collective: a reduction folds the slots in rank order 0..p-1, as the
+direct path does (direct_ops.DirectAllReduceOp), so results are bit-identical
+to every other path's; its own operand comes from its own slot, a copy, so
+in-place calls read nothing they have overwritten. A rank marks each peer's
+slot read once it combined, and writes its slot again only once every peer
+read it (ShmGroup.lane_free).
+
+The same two ways to run as the 2-rank lane: GroupLane.exchange without an
+Operation (a blocking call, nothing else in flight, every peer there within
+PEER_SPIN_S with the same fingerprint), and GroupLaneOp, which takes over an
+exchange that did not finish: it meets each peer as it arrives, sleeps past
+PEER_SPIN_S (FLAG_WAITING) until a peer rings, rings each peer it finds
+asleep, and fails on a peer's fingerprint message (a peer that called
+something else).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import numpy as np
+
+from . import direct_ops
+from .errors import ProtocolError
+from .fingerprint import Fingerprint
+from .lane_ops import DONE, POSTED, UNPOSTED, LANE_VIEWS_KEPT, LaneOp
+from .operation import check_fingerprint
+from .reduce import reduce_into, reduce_to
+from .transports.shm_group import GROUP_LANE_MAX_BYTES, LANE_SLOTS
+from .windows import UP
+
+GROUP_LANE_COLLECTIVES = frozenset(("all_reduce", "barrier", "reduce_scatter", "all_gather", "all_to_all",
+                                    "broadcast", "reduce"))
+_FOLDS = ("all_reduce", "barrier")
+
+
+def takes_group_lane(group, name: str, send: np.ndarray) -> bool:
+    """Whether a call of 3+ ranks goes through the group lane: the segments open
+    (on every rank or none) and the input within the bound (a rank-independent
+    size: a broadcast's buffer on every rank)."""
+    return group is not None and name in GROUP_LANE_COLLECTIVES and send.nbytes <= GROUP_LANE_MAX_BYTES
+
+
+def published(name: str, send: np.ndarray, rank: int, root) -> np.ndarray:
+    """What ``rank`` publishes: its whole input, or nothing (a broadcast's non-root rank)."""
+    return send[:0] if name == "broadcast" and rank != root else send
+
+
+def combine(name: str, slots: list, out: np.ndarray, op: str, rank: int, root) -> None:
+    """This rank's result from every rank's payload (``slots[r]``: rank r's, this rank's own included)."""
+    size = len(slots)
+    if name in _FOLDS or (name == "reduce" and rank == root):
+        _fold(out, slots, op)
+    elif name == "reduce_scatter":
+        n = out.size
+        _fold(out, [s[rank * n:(rank + 1) * n] for s in slots], op)
+    elif name == "all_gather":
+        n = slots[0].size
+        for r, theirs in enumerate(slots):
+            out[r * n:(r + 1) * n] = theirs
+    elif name == "all_to_all":
+        n = out.size // size
+        for r, theirs in enumerate(slots):
+            out[r * n:(r + 1) * n] = theirs[rank * n:(rank + 1) * n]
+    elif name == "broadcast" and rank != root:
+        out[...] = slots[root]
+
+
+def _fold(out: np.ndarray, operands: list, op: str) -> None:
+    """out = ((x0 op x1) op x2) ...: the direct path's order (its result bit for bit)."""
+    reduce_to(out, operands[0], operands[1], op)
+    for x in operands[2:]:
+        reduce_into(out, x, op)
+
+
+class GroupLane:
+    """The group lane's copies and reductions for one communicator, and its common
+    case without an Operation: publish, poll every peer's entry for at most
+    ``spin_s``, combine from the slots."""
+
+    def __init__(self, group, rank: int):
+        self.pair, self.rank = group, rank  # (``pair``: what LaneOp calls the segments)
+        self.peers = group.peers
+        self._views: dict = {}  # (owner, slot, dtype, count) -> that rank's slot as an array
+
+    def byte_counts(self, name: str, send: np.ndarray, root) -> tuple:
+        """What each rank publishes for this call, in bytes."""
+        return tuple(published(name, send, r, root).nbytes for r in range(self.pair.size))
+
+    def exchange(self, seq: int, name: str, send: np.ndarray, out: np.ndarray, op: str, root,
+                 payload: np.ndarray, words: tuple[int, int], spin_s: float) -> int:
+        """DONE (out holds the result), UNPOSTED or POSTED (lane_ops' outcomes)."""
+        group = self.pair
+        if not group.lane_free(seq):
+            return UNPOSTED
+        self.post(seq, payload, words)
+        if not group.met_all(seq, self.byte_counts(name, send, root), words, spin_s):
+            return POSTED
+        self.take(seq, name, send, out, op, root)
+        return DONE
+
+    def post(self, seq: int, payload: np.ndarray, words: tuple[int, int]) -> None:
+        """Copy ``payload`` into operation ``seq``'s slot and publish it (ShmGroup.lane_free first)."""
+        self._view(self.rank, seq, payload.dtype, payload.size)[...] = payload
+        self.pair.post_lane(seq, payload.nbytes, words)
+
+    def take(self, seq: int, name: str, send: np.ndarray, out: np.ndarray, op: str, root) -> None:
+        """Once every peer's payload for ``seq`` is there and matched: combine, mark every slot read."""
+        counts = [published(name, send, r, root).size for r in range(self.pair.size)]
+        slots = [self._view(r, seq, send.dtype, counts[r]) for r in range(self.pair.size)]
+        combine(name, slots, out, op, self.rank, root)
+        self.pair.lane_taken(seq)
+
+    def _view(self, owner: int, seq: int, dtype, count: int) -> np.ndarray:
+        key = (owner, seq % LANE_SLOTS, dtype, count)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= LANE_VIEWS_KEPT:
+                self._views.clear()
+            view = self._views[key] = self.pair.slot_view(owner, seq, dtype, count)
+        return view
+
+
+class GroupLaneOp(LaneOp):
+    """One group-lane call as an Operation: LaneOp's posting in turn, running
+    alone and failing, with a meeting of every peer (module docstring)."""
+
+    def __init__(self, engine, seq, send: np.ndarray, out: np.ndarray, op: str,
+                 fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,
+                 name: str = "all_reduce", *, lane: GroupLane, root=None, posted: bool = False):
+        payload = published(name, send, engine.rank, root)
+        self._byte_counts = lane.byte_counts(name, send, root)
+        self._not_met = list(lane.peers)
+        super().__init__(engine, seq, send, out, op, fingerprint, finalize, name, lane=lane,
+                         parts=(payload, payload.size), root=root, posted=posted)
+
+    def _advance(self) -> bool:
+        if not self._posted and not self._post():
+            return False
+        moved = False
+        if not self._met:
+            if not self._meet_peers():
+                return False
+            self._lane.take(self.seq, self.name, self.mine, self.out, self.op, self.root)
+            moved = True
+        return self._finish_once_rung() or moved
+
+    def _meet_peers(self) -> bool:
+        """True once every peer's payload for this operation is there and matched;
+        rings each it finds asleep; past PEER_SPIN_S sleeps and looks for
+        doorbells and fingerprint messages from the peers not met yet."""
+        self._meet_arrived()
+        if self._not_met and not self._asleep and self._past_spin():
+            self._pair.post_waiting(self.seq)
+            self._asleep = True
+            self._meet_arrived()  # (one may have come between the look and the flag)
+        if self._not_met:
+            if self._asleep:
+                self._look_for_messages(tuple(self._not_met))
+            return False
+        self._met = True
+        return True
+
+    def _past_spin(self) -> bool:
+        return time.perf_counter() - self._since > direct_ops.PEER_SPIN_S
+
+    def _meet_arrived(self) -> None:
+        group, seq = self._pair, self.seq
+        for peer in list(self._not_met):
+            theirs = group.peer_fingerprint(peer, seq)
+            if theirs is None:
+                continue
+            if self.fingerprint is not None:
+                check_fingerprint(self, theirs, peer, self.peers, self.wire_seq)
+            self._check_slot_of(peer)
+            self._not_met.remove(peer)
+            if group.peer_waiting(peer, seq):
+                self._ring(peer)
+
+    def _check_slot_of(self, peer: int) -> None:
+        """``peer``'s fingerprint matched (or fingerprints are off): its slot must
+        hold this operation's payload, of the size expected."""
+        got, expected = self._pair.peer_slot_bytes(peer, self.seq), self._byte_counts[peer]
+        if got != expected:
+            held = "another operation's" if got is None else f"{got} bytes"
+            raise ProtocolError(f"rank {peer}'s lane slot for operation #{self.seq} holds {held}, not "
+                                f"{expected} bytes", rank=self.engine.rank, peer=peer, op=self.name)
+
+    def describe_stall(self) -> dict:
+        waiting = ("the peers to read this rank's earlier lane payload" if not self._posted else
+                   f"ranks {self._not_met} to reach this operation (their fingerprints in their segments)"
+                   if not self._met else "the doorbells to the peers to go out")
+        return {"stage": "direct lane", "peer": list(self._not_met) or list(self.peers), "plane": UP,
+                "waiting_for": waiting}

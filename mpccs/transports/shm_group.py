@@ -1,0 +1,238 @@
+"""A shared-memory segment per rank of a 3- to 8-rank job on one host, every
+rank mapping every other's: the group lane, small collectives whole
+(group_lane_ops.py), the N-rank form of the 2-rank lane (shm.py).
+
+Why: on N ranks the direct path sends N - 1 UCX messages per rank and call,
+~60 us of Python and UCX each on this VM; 3-4 ranks sharing 2 cores took
+250-400 us per 8-byte all_reduce against MPICH's 28-46 (bench/results/
+oversubscribed_s28/). Through segments every rank maps, a call is a copy into
+the rank's own slot, a fingerprint entry, and reads of the others' slots.
+
+Layout of each rank's segment: a header page of int64 words, each written by
+its owner only, then LANE_SLOTS slots of LANE_SLOT_BYTES (their first
+LANE_META_BYTES: the payload's operation sequence number and byte count).
+Header words: FLAG_WAITING (the operation for which the owner stopped
+polling and sleeps until a peer rings: shm.py), the fingerprint ring (as shm.py's: entry seq % FP_RING holds the fingerprint's two
+words, then seq, written last), and the taken table: word TAKEN_AT + j x
+LANE_SLOTS + k holds the last operation whose payload in rank j's slot k the
+owner read. A rank writes slot k again only once every peer's entry for it
+reached what the slot holds (lane_free). Publication relies on x86-64's store
+order and an uncontended lock as the fence, as shm.py says.
+
+Set-up (open_group) follows shm.open_pair: each rank creates its segment in
+/dev/shm, the names go through the bootstrap store, each maps the others',
+every rank learns every outcome (all or none use the group), each unlinks
+its own: a crash leaves no file behind.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import threading
+import time
+from typing import Optional
+
+import numpy as np
+
+from .shm import SHM_DIR
+
+GROUP_MAX_RANKS = 8  # comm.DIRECT_MAX_RANKS: the group lane replaces the direct path's messages
+HEADER_BYTES = 4096
+FLAG_WAITING = 3
+FP_RING_AT, FP_RING, FP_WORDS = 16, 32, 3  # header words [16, 112)
+LANE_SLOTS = 2  # a rank one operation ahead of the slowest peer need not wait to post
+TAKEN_AT = FP_RING_AT + FP_RING * FP_WORDS  # [112, 112 + 8 x 2)
+# The largest input a rank publishes (group_lane_ops.takes_group_lane); a slot holds it, so a
+# process maps 2 x this per rank. Against the direct path's messages at 64-256 KiB, 3 and 4
+# ranks: 3.3-6.0x faster (bench/results/group_lane_s29/); larger inputs take the direct path's
+# medium messages or blocks, where the policy allows it, as before.
+GROUP_LANE_MAX_BYTES = 256 << 10
+LANE_META_BYTES = 64
+LANE_SLOT_BYTES = LANE_META_BYTES + GROUP_LANE_MAX_BYTES
+LANE_AT = HEADER_BYTES
+LANE_META_AT, LANE_SLOT_WORDS = LANE_AT // 8, LANE_SLOT_BYTES // 8
+SEGMENT_BYTES = LANE_AT + LANE_SLOTS * LANE_SLOT_BYTES
+
+
+class ShmGroup:
+    """Every rank's segment, mapped (``maps[r]``: rank r's). ``yields``: poll
+    loops give the core away between looks (more ranks on this host than cores)."""
+
+    def __init__(self, maps: list, rank: int, yields: bool = False):
+        self._maps = maps
+        self.rank, self.size, self.yields = rank, len(maps), yields
+        self.peers = tuple(r for r in range(self.size) if r != rank)
+        # One word through a memoryview costs ~60 ns against 120-270 through numpy (shm.py).
+        self.words = [memoryview(m).cast("q") for m in maps]
+        self.own = self.words[rank]
+        self.boxes = [np.ndarray((LANE_SLOTS, LANE_SLOT_BYTES), np.uint8, m, LANE_AT)[:, LANE_META_BYTES:]
+                      for m in maps]
+        self._fence = threading.Lock()
+        for box in self.boxes:  # map every page now (shm.ShmPair: resident memory steps up once)
+            if box is self.boxes[rank]:
+                box[:, ::mmap.PAGESIZE] = 0
+            else:
+                int(box[:, ::mmap.PAGESIZE].sum())
+
+    # -- this rank's side ---------------------------------------------------
+    def lane_free(self, seq: int) -> bool:
+        """Whether operation ``seq``'s slot may be written: empty, or its payload read by every peer."""
+        slot = seq % LANE_SLOTS
+        held = self.own[LANE_META_AT + slot * LANE_SLOT_WORDS]
+        taken = TAKEN_AT + self.rank * LANE_SLOTS + slot
+        return held == 0 or all(self.words[p][taken] >= held for p in self.peers)
+
+    def slot_view(self, owner: int, seq: int, dtype, count: int) -> np.ndarray:
+        """Rank ``owner``'s slot for operation ``seq`` as ``count`` elements of ``dtype``."""
+        nbytes = count * np.dtype(dtype).itemsize
+        return self.boxes[owner][seq % LANE_SLOTS, :nbytes].view(dtype)
+
+    def post_lane(self, seq: int, nbytes: int, words: tuple[int, int]) -> None:
+        """Publish the payload the caller put in operation ``seq``'s slot: its meta
+        words, then the fingerprint entry, its seq last, fenced before and after
+        (the caller looks at the peers' FLAG_WAITING next: shm.py, Dekker's order)."""
+        own = self.own
+        meta = LANE_META_AT + seq % LANE_SLOTS * LANE_SLOT_WORDS
+        own[meta], own[meta + 1] = seq, nbytes
+        entry = FP_RING_AT + seq % FP_RING * FP_WORDS
+        own[entry], own[entry + 1] = words
+        self._fence_stores()
+        own[entry + 2] = seq
+        self._fence_stores()
+
+    def post_waiting(self, seq: int) -> None:
+        """This rank sleeps until a peer rings for operation ``seq``; fenced after:
+        the caller looks at the peers' entries next."""
+        self._fence_stores()
+        self.own[FLAG_WAITING] = seq
+        self._fence_stores()
+
+    def lane_taken(self, seq: int) -> None:
+        """Tell every peer this rank read its payload of ``seq`` (no fence: x86-64
+        never shows a store before the loads ahead of it)."""
+        own, slot = self.own, seq % LANE_SLOTS
+        for p in self.peers:
+            own[TAKEN_AT + p * LANE_SLOTS + slot] = seq
+
+    # -- the peers' ---------------------------------------------------------
+    def arrived(self, peer: int, seq: int) -> bool:
+        """Whether ``peer`` published its fingerprint entry for operation ``seq``."""
+        return self.words[peer][FP_RING_AT + seq % FP_RING * FP_WORDS + 2] == seq
+
+    def peer_fingerprint(self, peer: int, seq: int) -> Optional[np.ndarray]:
+        """``peer``'s fingerprint words for ``seq`` as bytes, or None while its entry holds another operation's."""
+        entry = FP_RING_AT + seq % FP_RING * FP_WORDS
+        theirs = self.words[peer]
+        if theirs[entry + 2] != seq:
+            return None
+        return np.array([theirs[entry], theirs[entry + 1]], np.int64).view(np.uint8)
+
+    def peer_ready(self, peer: int, seq: int, nbytes: int, words: tuple[int, int]) -> bool:
+        """``peer``'s payload of ``seq`` is there, with these fingerprint words and
+        byte count, and the peer is not asleep waiting for a doorbell."""
+        theirs = self.words[peer]
+        entry = FP_RING_AT + seq % FP_RING * FP_WORDS
+        meta = LANE_META_AT + seq % LANE_SLOTS * LANE_SLOT_WORDS
+        return (theirs[entry + 2] == seq and theirs[entry] == words[0] and theirs[entry + 1] == words[1]
+                and theirs[meta] == seq and theirs[meta + 1] == nbytes and theirs[FLAG_WAITING] != seq)
+
+    def peer_slot_bytes(self, peer: int, seq: int) -> Optional[int]:
+        """The byte count of ``peer``'s payload of ``seq``, or None if its slot holds another operation's."""
+        theirs = self.words[peer]
+        meta = LANE_META_AT + seq % LANE_SLOTS * LANE_SLOT_WORDS
+        return theirs[meta + 1] if theirs[meta] == seq else None
+
+    def peer_waiting(self, peer: int, seq: int) -> bool:
+        return self.words[peer][FLAG_WAITING] == seq
+
+    def met_all(self, seq: int, nbytes: tuple, words: tuple[int, int], spin_s: float) -> bool:
+        """Poll for at most ``spin_s`` until every peer's payload of ``seq`` is
+        there (``nbytes[r]``: rank r's byte count); True once all are, matched
+        and awake; False on anything else (group_lane_ops.GroupLaneOp sorts it out)."""
+        deadline = time.perf_counter() + spin_s
+        entry = FP_RING_AT + seq % FP_RING * FP_WORDS + 2
+        for peer in self.peers:
+            theirs, spins = self.words[peer], 0
+            while theirs[entry] != seq:
+                spins += 1
+                if self.yields:
+                    os.sched_yield()  # the rank we wait for may have no core
+                if not spins & 15 and time.perf_counter() > deadline:
+                    return False
+            if not self.peer_ready(peer, seq, nbytes[peer], words):
+                return False
+        return True
+
+    def _fence_stores(self) -> None:
+        with self._fence:  # an uncontended lock: a locked instruction (shm.py)
+            pass
+
+    def close(self) -> None:
+        self.boxes = []
+        for words in self.words:
+            words.release()
+        self.words, self.own = [], None
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:  # a view someone still holds: the mapping goes with the process
+                pass
+
+
+def _create_own() -> tuple[str, mmap.mmap]:
+    name = f"mpccs-g-{os.getpid()}-{secrets.token_hex(6)}"
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, SEGMENT_BYTES)
+        return name, mmap.mmap(fd, SEGMENT_BYTES)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _map(name: str) -> mmap.mmap:
+    if not name or "/" in name:
+        raise OSError(f"bad segment name {name!r}")
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+    try:
+        return mmap.mmap(fd, SEGMENT_BYTES)
+    finally:
+        os.close(fd)
+
+
+def open_group(store, rank: int, size: int, timeout_s: float, willing: bool, yields: bool = False
+               ) -> Optional[ShmGroup]:
+    """Map every rank's segment, or None on every rank when any cannot or is not
+    ``willing``: each learns all outcomes first, so every rank must call this."""
+    own, name, error = None, "", "not willing"
+    if willing:
+        try:
+            name, own = _create_own()
+            error = ""
+        except OSError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    store.set(f"shmg/name/{rank}", name.encode())
+    names = [v.decode() for v in store.gather("shmg/name", size, timeout_s)]
+    maps: list = []
+    if own is not None and all(names):
+        try:
+            maps = [own if r == rank else _map(n) for r, n in enumerate(names)]
+        except (OSError, ValueError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            maps = []
+    store.set(f"shmg/ok/{rank}", b"1" if maps else error.encode() or b"0")
+    outcomes = store.gather("shmg/ok", size, timeout_s)
+    if name:
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))  # every rank mapped it, or none will use it
+        except FileNotFoundError:
+            pass
+    if maps and all(v == b"1" for v in outcomes):
+        return ShmGroup(maps, rank, yields)
+    for m in maps or ([own] if own is not None else []):
+        m.close()
+    return None

@@ -1,0 +1,251 @@
+"""The group lane (group_lane_ops.py, transports/shm_group.py): small
+collectives of 3 to 8 ranks on one host whole through segments every rank
+maps, folded in rank order like the direct path."""
+import mmap
+
+import numpy as np
+import pytest
+
+from mpccs import direct_ops
+from mpccs.errors import MismatchError
+from mpccs.group_lane_ops import combine, published, takes_group_lane
+from mpccs.transports import shm
+from mpccs.transports.shm_group import GROUP_LANE_MAX_BYTES, SEGMENT_BYTES, ShmGroup
+from rankpool import RankPool
+
+pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory segments need x86-64 and /dev/shm")
+
+WORDS = (0x1234, -(1 << 40))
+
+
+@pytest.fixture(scope="module")
+def pool():
+    ranks = RankPool(3)
+    yield ranks
+    ranks.close()
+
+
+# -- the protocol, every rank in this process ---------------------------------
+def _groups(size=3):
+    maps = [mmap.mmap(-1, SEGMENT_BYTES) for _ in range(size)]
+    return [ShmGroup(maps, r) for r in range(size)]
+
+
+def _post(group, seq, values, words=WORDS):
+    assert group.lane_free(seq)
+    group.slot_view(group.rank, seq, values.dtype, values.size)[...] = values
+    group.post_lane(seq, values.nbytes, words)
+
+
+def test_every_peer_is_met_only_with_the_same_words_and_byte_count():
+    g0, g1, g2 = _groups()
+    counts = (8, 8, 8)
+    _post(g0, 1, np.arange(2, dtype=np.float32))
+    _post(g1, 1, np.arange(2, dtype=np.float32))
+    assert not g0.met_all(1, counts, WORDS, spin_s=0.0)  # rank 2 has not posted
+    _post(g2, 1, np.arange(2, dtype=np.float32), words=(0x1234, 5))
+    assert g2.arrived(0, 1) and not g0.met_all(1, counts, WORDS, spin_s=0.0)  # rank 2's words differ
+    assert not g2.met_all(1, (8, 8, 4), (0x1234, 5), spin_s=0.0)
+    h0, h1, h2 = _groups()
+    for g in (h0, h1, h2):
+        _post(g, 1, np.arange(2, dtype=np.float32))
+    assert all(g.met_all(1, counts, WORDS, spin_s=0.0) for g in (h0, h1, h2))
+    h2.post_waiting(1)
+    assert not h0.met_all(1, counts, WORDS, spin_s=0.0)  # asleep: it needs a doorbell, which the op rings
+    assert h0.peer_waiting(2, 1) and not h0.peer_waiting(1, 1)
+
+
+def test_a_slot_is_written_again_only_after_every_peer_read_it():
+    g0, g1, g2 = _groups()
+    _post(g0, 1, np.ones(4, np.int32))
+    _post(g0, 2, np.ones(4, np.int32))  # the other slot
+    assert not g0.lane_free(3)  # slot 1 holds operation 1, read by nobody
+    g1.lane_taken(1)
+    assert not g0.lane_free(3)  # rank 2 has not read it
+    g2.lane_taken(1)
+    assert g0.lane_free(3) and not g0.lane_free(4)
+    assert g1.peer_slot_bytes(0, 2) == 16 and g1.peer_slot_bytes(0, 4) is None
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_the_fold_is_the_direct_paths_rank_order(dtype):
+    """x0 + x1 + x2 + x3 from the left: with values whose sum depends on the order."""
+    big = 1e8 if dtype == np.float32 else 2048.0  # where adding 1 rounds away
+    xs = [np.array([big, 1.0], dtype), np.array([1.0, big], dtype), np.array([-big, -big], dtype),
+          np.array([1.0, 1.0], dtype)]
+    out = np.empty(2, dtype)
+    combine("all_reduce", xs, out, "sum", 2, None)
+    expected = ((xs[0] + xs[1]) + xs[2]) + xs[3]
+    assert out.tobytes() == expected.tobytes()
+    assert out.tobytes() != (xs[3] + xs[2] + xs[1] + xs[0]).tobytes()  # the order shows
+
+
+def test_what_a_rank_publishes_and_the_bound():
+    send = np.zeros(16, np.float32)
+    assert published("broadcast", send, 1, root=0).size == 0
+    assert published("broadcast", send, 0, root=0) is send
+    assert published("reduce", send, 1, root=0) is send
+    group = object()
+    assert takes_group_lane(group, "all_reduce", np.zeros(GROUP_LANE_MAX_BYTES, np.uint8))
+    assert not takes_group_lane(group, "all_reduce", np.zeros(GROUP_LANE_MAX_BYTES + 1, np.uint8))
+    assert not takes_group_lane(group, "all_to_allv", send)
+    assert not takes_group_lane(None, "all_reduce", send)
+
+
+# -- real ranks ---------------------------------------------------------------
+def every_small_collective(comm):
+    """Each collective, blocking and async, in place too, from every root, against
+    numpy: rows of (case, algorithm, bit-exact)."""
+    rank, size, rows = comm.rank, comm.size, []
+    for dtype in (np.float32, np.int16):
+        n = 300
+        ins = [((np.arange(size * n) % 7) + 1 + 3 * r).astype(dtype) for r in range(size)]
+        mine = ins[rank].copy()
+        total = ins[0].copy()
+        for x in ins[1:]:
+            total = total + x
+
+        def row(case, got, expected):
+            rows.append(((str(np.dtype(dtype)),) + case, comm.last_stats()["algorithm"],
+                         np.asarray(got).tobytes() == np.asarray(expected).tobytes()))
+
+        out = np.empty_like(mine)
+        comm.all_reduce(mine, out)
+        row(("all_reduce",), out, total)
+        in_place = mine.copy()
+        comm.all_reduce(in_place, op="max", async_op=True).wait()
+        row(("all_reduce in place async max",), in_place, np.maximum.reduce(ins))
+        block = np.empty(n, dtype)
+        comm.reduce_scatter(mine, block)
+        row(("reduce_scatter",), block, total[rank * n:(rank + 1) * n])
+        gathered = np.empty(size * size * n, dtype)
+        comm.all_gather(mine, gathered, async_op=True).wait()
+        row(("all_gather async",), gathered, np.concatenate(ins))
+        gathered = np.zeros(size * size * n, dtype)
+        gathered[rank * size * n:(rank + 1) * size * n] = mine
+        comm.all_gather(gathered[rank * size * n:(rank + 1) * size * n], gathered)
+        row(("all_gather in place",), gathered, np.concatenate(ins))
+        swapped = np.empty_like(mine)
+        comm.all_to_all(mine, swapped)
+        row(("all_to_all",), swapped, np.concatenate([x[rank * n:(rank + 1) * n] for x in ins]))
+        for root in range(size):
+            buf = mine.copy()
+            comm.broadcast(buf, root=root)
+            row(("broadcast", root), buf, ins[root])
+            reduced = np.full_like(mine, 99)
+            comm.reduce(mine, reduced, op="sum", root=root)
+            row(("reduce", root), reduced, total if rank == root else np.full_like(mine, 99))
+        comm.barrier()
+        row(("barrier",), 0, 0)
+    return rows
+
+
+def test_every_small_collective_takes_the_group_lane_and_matches_numpy(pool):
+    for rows in pool.run(every_small_collective):
+        assert len(rows) == 2 * (7 + 2 * 3)
+        wrong = [r for r in rows if r[1:] != ("direct_lane", True)]
+        assert not wrong, wrong
+
+
+def above_the_bound(comm):
+    x = np.full(GROUP_LANE_MAX_BYTES // 4 + 1, comm.rank + 1.0, np.float32)
+    comm.all_reduce(x)
+    return comm.last_stats()["algorithm"], float(x[0])
+
+
+def test_a_call_above_the_bound_takes_the_direct_path(pool):
+    assert pool.run(above_the_bound) == [("direct", 6.0)] * 3
+
+
+def async_calls_in_flight(comm):
+    """Five async calls in flight at once share the two slots in turn."""
+    xs = [np.array([k, comm.rank], np.int64) for k in range(5)]
+    works = [comm.all_reduce(x, async_op=True) for x in xs]
+    for w in works:
+        w.wait()
+    return [x.tolist() for x in xs]
+
+
+def test_async_calls_in_flight_take_the_slots_in_turn(pool):
+    expected = [[3 * k, 3] for k in range(5)]
+    assert pool.run(async_calls_in_flight) == [expected] * 3
+
+
+def late_rank(comm, late):
+    """``late`` comes 0.3 s late: the others sleep on their planes' events and it rings them."""
+    import time
+
+    x = np.full(2, comm.rank + 1.0, np.float32)
+    comm.barrier()
+    if comm.rank == late:
+        time.sleep(0.3)
+    cpu = time.process_time()
+    comm.all_reduce(x)
+    stats = comm.last_stats()
+    return time.process_time() - cpu, stats["algorithm"], stats["slept_for_peer"], stats["rang_peer"], x.tolist()
+
+
+@pytest.mark.parametrize("late", [0, 2])
+def test_a_late_rank_is_met_without_spinning(pool, late):
+    results = pool.run(late_rank, late)
+    for rank, (cpu, algorithm, slept, rang, values) in enumerate(results):
+        assert (algorithm, values) == ("direct_lane", [6.0, 6.0])
+        if rank == late:
+            assert rang and not slept, results
+        else:
+            assert slept and cpu < 0.2, results
+
+
+def always_sleeping(comm):
+    """PEER_SPIN_S = 0: a rank that does not find every peer at its first look
+    sleeps at once, so the ranks race through the flags and doorbells."""
+    direct_ops.PEER_SPIN_S = 0.0
+    exact = slept = 0
+    try:
+        for k in range(300):
+            x = np.array([k, comm.rank], np.int64)
+            exact += comm.all_reduce(x, np.empty_like(x)).tolist() == [3 * k, 3]
+            slept += comm.last_stats()["slept_for_peer"]
+    finally:
+        direct_ops.PEER_SPIN_S = 200e-6
+    return exact, slept
+
+
+def test_ranks_that_sleep_at_once_still_meet_every_time(pool):
+    results = pool.run(always_sleeping, timeout=120)
+    assert [r[0] for r in results] == [300] * 3, results
+    assert sum(r[1] for r in results) > 0, results
+
+
+def one_rank_calls_another_size(comm):
+    """Rank 2 calls a larger all_reduce: every rank gets a MismatchError, and the communicator says it aborted."""
+    n = 4 if comm.rank != 2 else 5
+    try:
+        comm.all_reduce(np.ones(n, np.float32))
+    except MismatchError as exc:
+        return "mismatch", "operation #" in str(exc)
+    return "no error", False
+
+
+def test_a_size_mismatch_fails_every_rank():
+    ranks = RankPool(3)
+    try:
+        assert ranks.run(one_rank_calls_another_size, timeout=60) == [("mismatch", True)] * 3
+    finally:
+        ranks.close()
+
+
+def four_ranks(comm):
+    x = np.array([comm.rank + 0.5], np.float64)
+    comm.all_reduce(x)
+    y = np.empty(4, np.int32)
+    comm.all_gather(np.array([comm.rank * 10], np.int32), y)
+    return comm.last_stats()["algorithm"], x.tolist(), y.tolist()
+
+
+def test_four_ranks_and_fingerprints_off():
+    ranks = RankPool(4, env={"MPCCS_FINGERPRINT": "0"})
+    try:
+        assert ranks.run(four_ranks) == [("direct_lane", [8.0], [0, 10, 20, 30])] * 4
+    finally:
+        ranks.close()
