@@ -1,0 +1,152 @@
+"""Small all_reduces of 3 and 4 ranks on one host: this checkout against
+another, and MPICH through mpi4py, in alternating processes.
+
+    git worktree add /tmp/old <rev>
+    python bench/group_lane_ab.py --old /tmp/old --rounds 4 --out bench/results/group_lane_s29
+
+Each round runs, for each rank count, the same timing under the other
+checkout (PYTHONPATH), under this one, and under MPICH (mpiexec, no mpccs
+code in the processes), back to back. Timing: float32 sum all_reduce, out of
+place; per size 30 warm-up calls, then 20 blocks of K back-to-back calls
+after a barrier (a training loop's calls come back to back), per-call time =
+the block's time / K on the slowest rank, median over the blocks. Writes
+report.md and rounds.json under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+BIN = os.path.dirname(sys.executable)
+HERE = os.path.dirname(os.path.abspath(__file__))
+SIZES = (8, 1 << 10, 16 << 10, 64 << 10, 256 << 10)
+CALLS_PER_BLOCK = {8: 50, 1 << 10: 50, 16 << 10: 20, 64 << 10: 10, 256 << 10: 5}
+BLOCKS, WARMUP = 20, 30
+
+
+def _time_sizes(call, barrier, slowest) -> dict:
+    res = {}
+    for nbytes in SIZES:
+        send, out = np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32)
+        k = CALLS_PER_BLOCK[nbytes]
+        for _ in range(WARMUP):
+            call(send, out)
+        times = np.empty(BLOCKS)
+        for b in range(BLOCKS):
+            barrier()
+            t0 = time.perf_counter()
+            for _ in range(k):
+                call(send, out)
+            times[b] = (time.perf_counter() - t0) / k
+        res[str(nbytes)] = float(np.median(slowest(times))) * 1e6
+    return res
+
+
+def rank_mpccs() -> None:
+    import mpccs
+
+    comm = mpccs.init()
+    res = _time_sizes(comm.all_reduce, comm.barrier,
+                      lambda t: comm.all_reduce(t, np.empty_like(t), op="max"))
+    x = np.ones(2, np.float32)
+    comm.all_reduce(x, np.empty_like(x))
+    res["algorithm_8"] = comm.last_stats()["algorithm"]
+    if comm.rank == 0:
+        print("RESULT " + json.dumps(res), flush=True)
+    comm.close()
+
+
+def rank_mpi() -> None:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    res = _time_sizes(comm.Allreduce, comm.Barrier, lambda t: _mpi_max(comm, t))
+    if comm.rank == 0:
+        print("RESULT " + json.dumps(res), flush=True)
+
+
+def _mpi_max(comm, t: np.ndarray) -> np.ndarray:
+    from mpi4py import MPI
+
+    out = np.empty_like(t)
+    comm.Allreduce(t, out, op=MPI.MAX)
+    return out
+
+
+def _result(proc: subprocess.CompletedProcess) -> dict:
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def run_mpccs(path: str, n: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=path)
+    proc = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", str(n), "--no-prefix", sys.executable, __file__,
+                           "--rank", "mpccs"], env=env, cwd=path, capture_output=True, text=True, timeout=600,
+                          check=True)
+    return _result(proc)
+
+
+def run_mpi(n: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MPCCS_", "PYTHONPATH"))}
+    proc = subprocess.run([os.path.join(BIN, "mpiexec"), "-n", str(n), sys.executable, __file__, "--rank", "mpi"],
+                          env=env, capture_output=True, text=True, timeout=600, check=True)
+    return _result(proc)
+
+
+def _size_text(nbytes: int) -> str:
+    return f"{nbytes >> 10} KiB" if nbytes >= 1024 else f"{nbytes} B"
+
+
+def report(rounds: list, old: str, worlds: tuple) -> list:
+    lines = [f"# Small all_reduces of 3 and 4 ranks: this checkout against {old}, and MPICH", "",
+             "Per-call time in us, float32 sum, out of place, slowest rank, median of 20 blocks of back-to-back "
+             "calls; per round old / new / MPICH; then the medians of the rounds' ratios.", "",
+             "| ranks | size | " + " | ".join(f"round {k + 1}" for k in range(len(rounds)))
+             + " | old / new | new / MPICH |", "|---|---|" + "---|" * len(rounds) + "---:|---:|"]
+    for n in worlds:
+        for nbytes in SIZES:
+            key = str(nbytes)
+            cells = [f"{r[n]['old'][key]:.0f} / {r[n]['new'][key]:.0f} / {r[n]['mpi'][key]:.0f}" for r in rounds]
+            speedup = np.median([r[n]["old"][key] / r[n]["new"][key] for r in rounds])
+            to_mpi = np.median([r[n]["new"][key] / r[n]["mpi"][key] for r in rounds])
+            lines.append(f"| {n} | {_size_text(nbytes)} | " + " | ".join(cells) + f" | {speedup:.2f} | {to_mpi:.2f} |")
+    paths = {n: (rounds[0][n]["old"]["algorithm_8"], rounds[0][n]["new"]["algorithm_8"]) for n in worlds}
+    lines += ["", "8-byte call's algorithm (old, new): "
+              + ", ".join(f"{n} ranks {a} -> {b}" for n, (a, b) in paths.items())]
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--old", required=True, help="the other checkout (a git worktree)")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--ranks", default="3,4")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    worlds = tuple(int(n) for n in args.ranks.split(","))
+    new_path = os.path.dirname(HERE)
+    rounds = []
+    for k in range(args.rounds):
+        rounds.append({n: {"old": run_mpccs(args.old, n), "new": run_mpccs(new_path, n), "mpi": run_mpi(n)}
+                       for n in worlds})
+        print(f"# progress: {k + 1}/{args.rounds} rounds", flush=True)
+    lines = report(rounds, args.old, worlds)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "report.md"), "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    with open(os.path.join(args.out, "rounds.json"), "w") as fh:
+        json.dump({"old": args.old, "rounds": rounds}, fh, indent=1)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    if "--rank" in sys.argv:
+        rank_mpi() if sys.argv[sys.argv.index("--rank") + 1] == "mpi" else rank_mpccs()
+    else:
+        main()
