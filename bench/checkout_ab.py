@@ -26,7 +26,7 @@ import numpy as np
 BIN = os.path.dirname(sys.executable)
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from stats import size_text  # noqa: E402
+from stats import size_text, write_rounds  # noqa: E402
 
 
 def rank_main() -> None:
@@ -108,12 +108,7 @@ def main() -> None:
         cells = [f"{r['old'][key]:.0f} / {r['new'][key]:.0f}" for r in rounds]
         ratio = np.median([r["old"][key] / r["new"][key] for r in rounds])
         lines.append(f"| {key} | " + " | ".join(cells) + f" | {ratio:.2f} |")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "report.md"), "w") as fh:
-        fh.write("\n".join(lines) + "\n")
-    with open(os.path.join(args.out, "rounds.json"), "w") as fh:
-        json.dump({"old": args.old, "rounds": rounds}, fh, indent=1)
-    print("\n".join(lines))
+    write_rounds(args.out, args.old, rounds, lines)
 
 
 if __name__ == "__main__":

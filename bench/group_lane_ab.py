@@ -25,6 +25,9 @@ import numpy as np
 
 BIN = os.path.dirname(sys.executable)
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from stats import size_text, write_rounds  # noqa: E402
+
 SIZES = (8, 1 << 10, 16 << 10, 64 << 10, 256 << 10)
 CALLS_PER_BLOCK = {8: 50, 1 << 10: 50, 16 << 10: 20, 64 << 10: 10, 256 << 10: 5}
 BLOCKS, WARMUP = 20, 30
@@ -99,10 +102,6 @@ def run_mpi(n: int) -> dict:
     return _result(proc)
 
 
-def _size_text(nbytes: int) -> str:
-    return f"{nbytes >> 10} KiB" if nbytes >= 1024 else f"{nbytes} B"
-
-
 def report(rounds: list, old: str, worlds: tuple) -> list:
     lines = [f"# Small all_reduces of 3 and 4 ranks: this checkout against {old}, and MPICH", "",
              "Per-call time in us, float32 sum, out of place, slowest rank, median of 20 blocks of back-to-back "
@@ -115,7 +114,7 @@ def report(rounds: list, old: str, worlds: tuple) -> list:
             cells = [f"{r[n]['old'][key]:.0f} / {r[n]['new'][key]:.0f} / {r[n]['mpi'][key]:.0f}" for r in rounds]
             speedup = np.median([r[n]["old"][key] / r[n]["new"][key] for r in rounds])
             to_mpi = np.median([r[n]["new"][key] / r[n]["mpi"][key] for r in rounds])
-            lines.append(f"| {n} | {_size_text(nbytes)} | " + " | ".join(cells) + f" | {speedup:.2f} | {to_mpi:.2f} |")
+            lines.append(f"| {n} | {size_text(nbytes)} | " + " | ".join(cells) + f" | {speedup:.2f} | {to_mpi:.2f} |")
     paths = {n: (rounds[0][n]["old"]["algorithm_8"], rounds[0][n]["new"]["algorithm_8"]) for n in worlds}
     lines += ["", "8-byte call's algorithm (old, new): "
               + ", ".join(f"{n} ranks {a} -> {b}" for n, (a, b) in paths.items())]
@@ -136,13 +135,7 @@ def main() -> None:
         rounds.append({n: {"old": run_mpccs(args.old, n), "new": run_mpccs(new_path, n), "mpi": run_mpi(n)}
                        for n in worlds})
         print(f"# progress: {k + 1}/{args.rounds} rounds", flush=True)
-    lines = report(rounds, args.old, worlds)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "report.md"), "w") as fh:
-        fh.write("\n".join(lines) + "\n")
-    with open(os.path.join(args.out, "rounds.json"), "w") as fh:
-        json.dump({"old": args.old, "rounds": rounds}, fh, indent=1)
-    print("\n".join(lines))
+    write_rounds(args.out, args.old, rounds, report(rounds, args.old, worlds))
 
 
 if __name__ == "__main__":

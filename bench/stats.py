@@ -139,6 +139,16 @@ def write_ab_results(out_dir: str, json_name: str, meta: dict, rows: list, lines
         fh.write("\n".join(lines) + "\n")
 
 
+def write_rounds(out_dir: str, old: str, rounds: list, lines: list[str]) -> None:
+    """A checkout A/B's rounds as rounds.json and its report as report.md (written afresh), printed too."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "report.md"), "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    with open(os.path.join(out_dir, "rounds.json"), "w") as fh:
+        json.dump({"old": old, "rounds": rounds}, fh, indent=1)
+    print("\n".join(lines))
+
+
 def ab_report_head(title: str, meta: dict, columns: str, align: str) -> list[str]:
     """The head of an A/B benchmark's report section: title, what ran, and the table's header rows."""
     return [f"## {title}", "",

@@ -1,5 +1,6 @@
-"""The reports of bench/peer_rounds.py, two_step_ab.py, blocks_ab.py, cma_ab.py and setup_timeline.py, and
-bench/stats.py's interleaving, on synthetic timings (the runs themselves are benchmarks, not tests)."""
+"""The reports of bench/peer_rounds.py, two_step_ab.py, blocks_ab.py, cma_ab.py, group_lane_ab.py and
+setup_timeline.py, and bench/stats.py's interleaving, on synthetic timings (the runs themselves are
+benchmarks, not tests)."""
 import importlib.util
 import os
 import sys
@@ -193,3 +194,21 @@ def test_code_text_groups_the_runs_by_the_code_their_ranks_imported():
     assert text == ("Code the ranks imported (mpccs-perf's `# code:`): /w/mpccs (sources bbbbbbbbbbbb): all_reduce, "
                     "all_gather; /tmp/old/mpccs (sources aaaaaaaaaaaa): reduce_scatter.")
     assert stats.code_text({"mpccs": None}) == "Code: not recorded."
+
+
+def test_group_lane_ab_reports_the_median_ratios_per_rank_count_and_size():
+    ab = load("group_lane_ab")
+    sizes = [str(n) for n in ab.SIZES]
+
+    def run(scale, algorithm):
+        return dict({k: scale * (i + 1) for i, k in enumerate(sizes)}, algorithm_8=algorithm)
+
+    # old / new per round at every size: 2, 4, 3 (median 3); new / MPICH: 0.5, 1, 2 (median 1).
+    rounds = [{3: {"old": run(old, "direct"), "new": run(new, "direct_lane"), "mpi": run(mpi, None)}}
+              for old, new, mpi in ((20.0, 10.0, 20.0), (40.0, 10.0, 10.0), (60.0, 20.0, 10.0))]
+    lines = ab.report(rounds, "/tmp/old", (3,))
+    rows = [line for line in lines if line.startswith("| 3 |")]
+    assert len(rows) == len(sizes)
+    assert rows[0].split("|")[2].strip() == "8 B" and rows[0].rstrip(" |").endswith("3.00 | 1.00")
+    assert "20 / 10 / 20" in rows[0] and "60 / 20 / 10" in rows[0]
+    assert lines[-1].endswith("3 ranks direct -> direct_lane")

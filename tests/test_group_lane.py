@@ -6,12 +6,12 @@ import mmap
 import numpy as np
 import pytest
 
-from mpccs import direct_ops
 from mpccs.errors import MismatchError
 from mpccs.group_lane_ops import combine, published, takes_group_lane
 from mpccs.transports import shm
 from mpccs.transports.shm_group import GROUP_LANE_MAX_BYTES, SEGMENT_BYTES, ShmGroup
 from rankpool import RankPool
+from test_lane import always_sleeping
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory segments need x86-64 and /dev/shm")
 
@@ -93,6 +93,40 @@ def test_what_a_rank_publishes_and_the_bound():
 
 
 # -- real ranks ---------------------------------------------------------------
+def segments_state(comm):
+    import os
+
+    left = [f for f in os.listdir(shm.SHM_DIR) if any(f.startswith(f"mpccs-g-{pid}-") for pid in comm._pids)]
+    return comm._group is not None, comm._group.size, left
+
+
+def test_every_rank_maps_every_segment_and_no_file_is_left(pool):
+    assert pool.run(segments_state) == [(True, 3, [])] * 3
+
+
+def init_without_segments_on_rank1(kwargs):
+    import os
+
+    import mpccs
+
+    return mpccs.init(shm=os.environ["RANK"] != "1", **kwargs)
+
+
+def small_call_without_group(comm):
+    x = np.array([comm.rank + 1.0], np.float64)
+    comm.all_reduce(x)
+    return comm._group is None, comm.last_stats()["algorithm"], x.tolist()
+
+
+def test_one_unwilling_rank_leaves_every_rank_on_messages():
+    """shm off on rank 1 only: no rank uses the group (all or none), and calls still agree."""
+    ranks = RankPool(3, setup=init_without_segments_on_rank1)
+    try:
+        assert ranks.run(small_call_without_group) == [(True, "direct", [6.0])] * 3
+    finally:
+        ranks.close()
+
+
 def every_small_collective(comm):
     """Each collective, blocking and async, in place too, from every root, against
     numpy: rows of (case, algorithm, bit-exact)."""
@@ -196,23 +230,8 @@ def test_a_late_rank_is_met_without_spinning(pool, late):
             assert slept and cpu < 0.2, results
 
 
-def always_sleeping(comm):
-    """PEER_SPIN_S = 0: a rank that does not find every peer at its first look
-    sleeps at once, so the ranks race through the flags and doorbells."""
-    direct_ops.PEER_SPIN_S = 0.0
-    exact = slept = 0
-    try:
-        for k in range(300):
-            x = np.array([k, comm.rank], np.int64)
-            exact += comm.all_reduce(x, np.empty_like(x)).tolist() == [3 * k, 3]
-            slept += comm.last_stats()["slept_for_peer"]
-    finally:
-        direct_ops.PEER_SPIN_S = 200e-6
-    return exact, slept
-
-
 def test_ranks_that_sleep_at_once_still_meet_every_time(pool):
-    results = pool.run(always_sleeping, timeout=120)
+    results = pool.run(always_sleeping, 300, timeout=120)
     assert [r[0] for r in results] == [300] * 3, results
     assert sum(r[1] for r in results) > 0, results
 

@@ -298,15 +298,17 @@ def test_a_late_peer_is_met_without_spinning(pool, late_rank):
     assert early[0] < 0.2, f"the early rank spent {early[0]:.2f} CPU seconds waiting 0.3 s"
 
 
-def always_sleeping(comm):
-    """PEER_SPIN_S = 0: a rank that does not find its peer at its first look
-    sleeps at once, so the ranks race through the flags and doorbells."""
+def always_sleeping(comm, calls=400):
+    """PEER_SPIN_S = 0: a rank that does not find every peer at its first look
+    sleeps at once, so the ranks race through the flags and doorbells
+    (test_group_lane.py runs it on 3 ranks): (exact results, calls that slept)."""
     direct_ops.PEER_SPIN_S = 0.0
     exact = slept = 0
+    expected_rank_sum = sum(range(comm.size))
     try:
-        for k in range(400):
+        for k in range(calls):
             x = np.array([k, comm.rank], np.int64)
-            exact += comm.all_reduce(x, np.empty_like(x)).tolist() == [2 * k, 1]
+            exact += comm.all_reduce(x, np.empty_like(x)).tolist() == [comm.size * k, expected_rank_sum]
             slept += comm.last_stats()["slept_for_peer"]
     finally:
         direct_ops.PEER_SPIN_S = 200e-6

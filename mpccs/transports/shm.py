@@ -269,19 +269,14 @@ def _lane_box(segment: mmap.mmap) -> np.ndarray:
     return np.ndarray((LANE_SLOTS, LANE_SLOT_BYTES), np.uint8, segment, LANE_AT)[:, LANE_META_BYTES:]
 
 
-def _create_own() -> tuple[str, mmap.mmap]:
-    name = f"mpccs-{os.getpid()}-{secrets.token_hex(6)}"
+def create_segment(prefix: str, nbytes: int) -> tuple[str, mmap.mmap]:
+    """A new segment of ``nbytes`` in /dev/shm under a name of this process's own, mapped."""
+    name = f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        os.ftruncate(fd, SEGMENT_BYTES)
-        segment = mmap.mmap(fd, SEGMENT_BYTES)
-        header = _header(segment)
-        header[WORD_PID] = os.getpid()
-        header[WORD_COOKIE] = secrets.randbits(62) + 1
-        header[WORD_COOKIE_AT] = header.ctypes.data + WORD_COOKIE * 8
-        del header  # (a view left would keep close() from unmapping it)
-        return name, segment
+        os.ftruncate(fd, nbytes)
+        return name, mmap.mmap(fd, nbytes)
     except BaseException:
         os.unlink(path)
         raise
@@ -289,14 +284,34 @@ def _create_own() -> tuple[str, mmap.mmap]:
         os.close(fd)
 
 
-def _map_peer(name: str) -> mmap.mmap:
+def map_segment(name: str, nbytes: int) -> mmap.mmap:
+    """Another rank's segment, by the name it published."""
     if not name or "/" in name:
         raise OSError(f"bad segment name {name!r}")
     fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
     try:
-        return mmap.mmap(fd, SEGMENT_BYTES)
+        return mmap.mmap(fd, nbytes)
     finally:
         os.close(fd)
+
+
+def unlink_segment(name: str) -> None:
+    """Remove a segment's name once every rank mapped it (or none will): a crash leaves no file behind."""
+    if name:
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except FileNotFoundError:
+            pass
+
+
+def _create_own() -> tuple[str, mmap.mmap]:
+    name, segment = create_segment("mpccs", SEGMENT_BYTES)
+    header = _header(segment)
+    header[WORD_PID] = os.getpid()
+    header[WORD_COOKIE] = secrets.randbits(62) + 1
+    header[WORD_COOKIE_AT] = header.ctypes.data + WORD_COOKIE * 8
+    del header  # (a view left would keep close() from unmapping it)
+    return name, segment
 
 
 def _reads_by_cma(peer: mmap.mmap) -> bool:
@@ -332,7 +347,7 @@ def open_pair(store, rank: int, timeout_s: float, willing: bool, cma_willing: bo
     peer = None
     if own is not None and peer_name:
         try:
-            peer = _map_peer(peer_name)
+            peer = map_segment(peer_name, SEGMENT_BYTES)
         except (OSError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}"
     if peer is not None and cma_willing:
@@ -343,11 +358,7 @@ def open_pair(store, rank: int, timeout_s: float, willing: bool, cma_willing: bo
     outcome = (b"1c" if cma_willing and _reads_by_cma(peer) else b"1") if peer is not None else error.encode() or b"0"
     store.set(f"shm/ok/{rank}", outcome)
     both = store.gather("shm/ok", 2, timeout_s)
-    if name:
-        try:
-            os.unlink(os.path.join(SHM_DIR, name))  # both mapped it, or neither will
-        except FileNotFoundError:
-            pass
+    unlink_segment(name)
     if all(v.startswith(b"1") for v in both):
         return ShmPair(own, peer, cma=all(v == b"1c" for v in both))
     for m in (own, peer):

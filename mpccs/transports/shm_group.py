@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import mmap
 import os
-import secrets
 import threading
 import time
 from typing import Optional
 
 import numpy as np
 
-from .shm import SHM_DIR
+from .shm import create_segment, map_segment, unlink_segment
 
 GROUP_MAX_RANKS = 8  # comm.DIRECT_MAX_RANKS: the group lane replaces the direct path's messages
 HEADER_BYTES = 4096
@@ -180,30 +179,6 @@ class ShmGroup:
                 pass
 
 
-def _create_own() -> tuple[str, mmap.mmap]:
-    name = f"mpccs-g-{os.getpid()}-{secrets.token_hex(6)}"
-    path = os.path.join(SHM_DIR, name)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, SEGMENT_BYTES)
-        return name, mmap.mmap(fd, SEGMENT_BYTES)
-    except BaseException:
-        os.unlink(path)
-        raise
-    finally:
-        os.close(fd)
-
-
-def _map(name: str) -> mmap.mmap:
-    if not name or "/" in name:
-        raise OSError(f"bad segment name {name!r}")
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
-    try:
-        return mmap.mmap(fd, SEGMENT_BYTES)
-    finally:
-        os.close(fd)
-
-
 def open_group(store, rank: int, size: int, timeout_s: float, willing: bool, yields: bool = False
                ) -> Optional[ShmGroup]:
     """Map every rank's segment, or None on every rank when any cannot or is not
@@ -211,7 +186,7 @@ def open_group(store, rank: int, size: int, timeout_s: float, willing: bool, yie
     own, name, error = None, "", "not willing"
     if willing:
         try:
-            name, own = _create_own()
+            name, own = create_segment("mpccs-g", SEGMENT_BYTES)
             error = ""
         except OSError as exc:
             error = f"{type(exc).__name__}: {exc}"
@@ -220,17 +195,17 @@ def open_group(store, rank: int, size: int, timeout_s: float, willing: bool, yie
     maps: list = []
     if own is not None and all(names):
         try:
-            maps = [own if r == rank else _map(n) for r, n in enumerate(names)]
+            for r, n in enumerate(names):
+                maps.append(own if r == rank else map_segment(n, SEGMENT_BYTES))
         except (OSError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}"
+            for m in maps:
+                if m is not own:
+                    m.close()
             maps = []
     store.set(f"shmg/ok/{rank}", b"1" if maps else error.encode() or b"0")
     outcomes = store.gather("shmg/ok", size, timeout_s)
-    if name:
-        try:
-            os.unlink(os.path.join(SHM_DIR, name))  # every rank mapped it, or none will use it
-        except FileNotFoundError:
-            pass
+    unlink_segment(name)
     if maps and all(v == b"1" for v in outcomes):
         return ShmGroup(maps, rank, yields)
     for m in maps or ([own] if own is not None else []):
