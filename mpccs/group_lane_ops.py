@@ -27,7 +27,7 @@ something else).
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
@@ -84,6 +84,14 @@ def _fold(out: np.ndarray, operands: list, op: str) -> None:
         reduce_into(out, x, op)
 
 
+class CallShape(NamedTuple):
+    """What one call shape (collective, dtype, count, root) reads and writes in one
+    slot, built once: each rank's byte count and each rank's slot as an array."""
+
+    byte_counts: tuple
+    slots: list
+
+
 class GroupLane:
     """The group lane's copies and reductions for one communicator, and its common
     case without an Operation: publish, poll every peer's entry for at most
@@ -92,11 +100,21 @@ class GroupLane:
     def __init__(self, group, rank: int):
         self.pair, self.rank = group, rank  # (``pair``: what LaneOp calls the segments)
         self.peers = group.peers
-        self._views: dict = {}  # (owner, slot, dtype, count) -> that rank's slot as an array
+        # (collective, dtype, count, root, slot) -> CallShape: a loop's calls have a few shapes,
+        # and building one per call was ~3 us of a 3-rank 8-byte call's ~17 us of work a rank.
+        self._shapes: dict = {}
 
-    def byte_counts(self, name: str, send: np.ndarray, root) -> tuple:
-        """What each rank publishes for this call, in bytes."""
-        return tuple(published(name, send, r, root).nbytes for r in range(self.pair.size))
+    def shape(self, seq: int, name: str, send: np.ndarray, root) -> CallShape:
+        key = (name, send.dtype, send.size, root, seq % LANE_SLOTS)
+        shape = self._shapes.get(key)
+        if shape is None:
+            if len(self._shapes) >= LANE_VIEWS_KEPT:
+                self._shapes.clear()
+            counts = [published(name, send, r, root).size for r in range(self.pair.size)]
+            shape = self._shapes[key] = CallShape(
+                tuple(c * send.itemsize for c in counts),
+                [self.pair.slot_view(r, seq, send.dtype, c) for r, c in enumerate(counts)])
+        return shape
 
     def exchange(self, seq: int, name: str, send: np.ndarray, out: np.ndarray, op: str, root,
                  payload: np.ndarray, words: tuple[int, int], spin_s: float) -> int:
@@ -104,32 +122,25 @@ class GroupLane:
         group = self.pair
         if not group.lane_free(seq):
             return UNPOSTED
-        self.post(seq, payload, words)
-        if not group.met_all(seq, self.byte_counts(name, send, root), words, spin_s):
+        shape = self.shape(seq, name, send, root)
+        shape.slots[self.rank][...] = payload
+        group.post_lane(seq, payload.nbytes, words)
+        if not group.met_all(seq, shape.byte_counts, words, spin_s):
             return POSTED
-        self.take(seq, name, send, out, op, root)
+        combine(name, shape.slots, out, op, self.rank, root)
+        group.lane_taken(seq)
         return DONE
 
     def post(self, seq: int, payload: np.ndarray, words: tuple[int, int]) -> None:
-        """Copy ``payload`` into operation ``seq``'s slot and publish it (ShmGroup.lane_free first)."""
-        self._view(self.rank, seq, payload.dtype, payload.size)[...] = payload
+        """Copy ``payload`` into operation ``seq``'s slot and publish it (ShmGroup.lane_free
+        first; LaneOp's posting in turn: the exchange above copies through its CallShape)."""
+        self.pair.slot_view(self.rank, seq, payload.dtype, payload.size)[...] = payload
         self.pair.post_lane(seq, payload.nbytes, words)
 
     def take(self, seq: int, name: str, send: np.ndarray, out: np.ndarray, op: str, root) -> None:
         """Once every peer's payload for ``seq`` is there and matched: combine, mark every slot read."""
-        counts = [published(name, send, r, root).size for r in range(self.pair.size)]
-        slots = [self._view(r, seq, send.dtype, counts[r]) for r in range(self.pair.size)]
-        combine(name, slots, out, op, self.rank, root)
+        combine(name, self.shape(seq, name, send, root).slots, out, op, self.rank, root)
         self.pair.lane_taken(seq)
-
-    def _view(self, owner: int, seq: int, dtype, count: int) -> np.ndarray:
-        key = (owner, seq % LANE_SLOTS, dtype, count)
-        view = self._views.get(key)
-        if view is None:
-            if len(self._views) >= LANE_VIEWS_KEPT:
-                self._views.clear()
-            view = self._views[key] = self.pair.slot_view(owner, seq, dtype, count)
-        return view
 
 
 class GroupLaneOp(LaneOp):
@@ -140,7 +151,7 @@ class GroupLaneOp(LaneOp):
                  fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,
                  name: str = "all_reduce", *, lane: GroupLane, root=None, posted: bool = False):
         payload = published(name, send, engine.rank, root)
-        self._byte_counts = lane.byte_counts(name, send, root)
+        self._byte_counts = lane.shape(seq, name, send, root).byte_counts
         self._not_met = list(lane.peers)
         super().__init__(engine, seq, send, out, op, fingerprint, finalize, name, lane=lane,
                          parts=(payload, payload.size), root=root, posted=posted)
