@@ -42,3 +42,19 @@ def test_survivor_raises_naming_the_lost_rank(count, mode, trial):
     assert float(seconds) < 10
     assert any("RESULT aborted" in line for line in lines)
     assert elapsed < 20  # the survivor exits on its own, well inside the launcher's grace period
+
+
+@pytest.mark.parametrize("trial", range(2))
+def test_every_survivor_of_a_group_lane_call_raises_naming_the_lost_rank(trial):
+    """3 ranks, 8 bytes through the group lane (group_lane_ops.py): ranks 0 and 2 wait
+    asleep for rank 1's entry; each raises within seconds, by its own liveness check
+    or by the other's abort, and refuses further use."""
+    p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "3", "--grace", "20", PROG, "2"],
+                       env=clean_env(), capture_output=True, text=True, timeout=60)
+    results = [line for line in p.stdout.splitlines() if "RESULT" in line and "aborted" not in line]
+    assert sorted(line.split("]")[0] for line in results) == ["[rank 0", "[rank 2"], p.stdout + p.stderr
+    for line in results:
+        seconds, kind = re.search(r"RESULT ([\d.]+) (\w+):", line).groups()
+        assert kind == "TransportError" and "rank(s) [1] are gone" in line and "direct lane" in line, line
+        assert float(seconds) < 10
+    assert sum("RESULT aborted" in line for line in p.stdout.splitlines()) == 2

@@ -1,7 +1,7 @@
-"""Rank 1 dies (SIGKILL) while rank 0 is inside an all_reduce waiting for it.
+"""Rank 1 dies (SIGKILL) while the other ranks are inside an all_reduce waiting for it.
 
-Rank 0 prints how long it took to raise and what it raised, then checks that
-the communicator refuses further use. With "mid-steps" after the count, rank 1
+Each survivor prints how long it took to raise and what it raised, then checks
+that the communicator refuses further use. With "mid-steps" after the count, rank 1
 dies inside the steps that read across processes instead (cma_steps.py: a 4 MiB
 all_reduce's direct path), after it posted its buffers: rank 0 may be reading
 them or waiting on a flag.
