@@ -28,16 +28,24 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from stats import size_text, write_rounds  # noqa: E402
 
-SIZES = (8, 1 << 10, 16 << 10, 64 << 10, 256 << 10)
-CALLS_PER_BLOCK = {8: 50, 1 << 10: 50, 16 << 10: 20, 64 << 10: 10, 256 << 10: 5}
+SIZES = (8, 1 << 10, 16 << 10, 64 << 10, 256 << 10)  # --sizes picks others (the ranks read GROUP_LANE_AB_SIZES)
+
+
+def _calls_per_block(nbytes: int) -> int:
+    return 50 if nbytes <= 1 << 10 else 20 if nbytes <= 16 << 10 else 10 if nbytes <= 64 << 10 else 5
+
+
+def _sizes() -> tuple:
+    text = os.environ.get("GROUP_LANE_AB_SIZES")
+    return tuple(int(x) for x in text.split(",")) if text else SIZES
 BLOCKS, WARMUP = 20, 30
 
 
 def _time_sizes(call, barrier, slowest) -> dict:
     res = {}
-    for nbytes in SIZES:
+    for nbytes in _sizes():
         send, out = np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32)
-        k = CALLS_PER_BLOCK[nbytes]
+        k = _calls_per_block(nbytes)
         for _ in range(WARMUP):
             call(send, out)
         times = np.empty(BLOCKS)
@@ -109,7 +117,7 @@ def report(rounds: list, old: str, worlds: tuple) -> list:
              "| ranks | size | " + " | ".join(f"round {k + 1}" for k in range(len(rounds)))
              + " | old / new | new / MPICH |", "|---|---|" + "---|" * len(rounds) + "---:|---:|"]
     for n in worlds:
-        for nbytes in SIZES:
+        for nbytes in _sizes():
             key = str(nbytes)
             cells = [f"{r[n]['old'][key]:.0f} / {r[n]['new'][key]:.0f} / {r[n]['mpi'][key]:.0f}" for r in rounds]
             speedup = np.median([r[n]["old"][key] / r[n]["new"][key] for r in rounds])
@@ -126,9 +134,14 @@ def main() -> None:
     ap.add_argument("--old", required=True, help="the other checkout (a git worktree)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--ranks", default="3,4")
+    ap.add_argument("--sizes", help="bytes per call, comma-separated (K and M suffixes); default 8 B-256 KiB")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     worlds = tuple(int(n) for n in args.ranks.split(","))
+    if args.sizes:
+        units = {"K": 1 << 10, "M": 1 << 20}
+        os.environ["GROUP_LANE_AB_SIZES"] = ",".join(
+            str(int(x[:-1]) * units[x[-1].upper()] if x[-1].upper() in units else int(x)) for x in args.sizes.split(","))
     new_path = os.path.dirname(HERE)
     rounds = []
     for k in range(args.rounds):

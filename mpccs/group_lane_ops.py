@@ -37,7 +37,7 @@ from .fingerprint import Fingerprint
 from .lane_ops import DONE, POSTED, UNPOSTED, LANE_VIEWS_KEPT, LaneOp
 from .operation import check_fingerprint
 from .reduce import reduce_into, reduce_to
-from .transports.shm_group import GROUP_LANE_MAX_BYTES, LANE_SLOTS
+from .transports.shm_group import LANE_SLOTS
 from .windows import UP
 
 GROUP_LANE_COLLECTIVES = frozenset(("all_reduce", "barrier", "reduce_scatter", "all_gather", "all_to_all",
@@ -47,9 +47,9 @@ _FOLDS = ("all_reduce", "barrier")
 
 def takes_group_lane(group, name: str, send: np.ndarray) -> bool:
     """Whether a call of 3+ ranks goes through the group lane: the segments open
-    (on every rank or none) and the input within the bound (a rank-independent
-    size: a broadcast's buffer on every rank)."""
-    return group is not None and name in GROUP_LANE_COLLECTIVES and send.nbytes <= GROUP_LANE_MAX_BYTES
+    (on every rank or none) and the input within their bound (shm_group.lane_bound;
+    a rank-independent size: a broadcast's buffer on every rank)."""
+    return group is not None and name in GROUP_LANE_COLLECTIVES and send.nbytes <= group.lane_bytes
 
 
 def published(name: str, send: np.ndarray, rank: int, root) -> np.ndarray:

@@ -14,7 +14,7 @@ from collective_cases import (DTYPES, REDUCING, check, dtype_of, expected_output
                               make_input, output_size)
 from mpccs.algorithms import ALGORITHMS
 from mpccs.transports import shm
-from mpccs.transports.shm_group import GROUP_LANE_MAX_BYTES
+from mpccs.transports.shm_group import lane_bound
 from pairwise import all_pairs
 from rankpool import RankPool
 
@@ -301,14 +301,15 @@ def _small_path(world: str, nbytes: int) -> str:
     (group_lane_ops.py), else messages."""
     if not shm.supported():
         return "direct"
-    return "direct_lane" if world == "2" or nbytes <= GROUP_LANE_MAX_BYTES else "direct"
+    return "direct_lane" if world == "2" or nbytes <= lane_bound(int(world)) else "direct"
 
 
 @pytest.mark.parametrize("world", ["2", "3"])
 def test_all_gather_direct_paths(pools, world):
     for r in pools(world).run(direct_all_gather_paths):
+        largest = "direct" if world == "2" else _small_path(world, GATHER_BOUND[0])
         for case, path in (("small", _small_path(world, 3 * 4)), ("medium", _small_path(world, 50_001 * 4)),
-                           ("largest", "direct")):
+                           ("largest", largest)):
             assert r[case] == (True, path) and r[case + "_in_place"] == (True, path), r
         assert r["above"][0] and r["above"][1] != "direct" and r["above_in_place"][0], r
 
@@ -715,8 +716,9 @@ def test_all_reduce_direct_paths_reduce_in_rank_order(pools, world):
             assert r[policy, "medium_in_place"] == (medium_expected, medium_path)
             blocks_expected = _rank_order_sum(p, (768 << 10) // 4 + 3).tobytes()  # from DIRECT_BLOCKS_MIN_BYTES
             halves = "direct_shm" if segments else "direct_blocks"
-            assert r[policy, "blocks"] == (blocks_expected, halves)
-            assert r[policy, "blocks_in_place"] == (blocks_expected, halves)  # rank 2 copies its block
-            assert r[policy, "largest"] == (float(p), halves)
+            blocks_path = halves if p == 2 else _small_path(world, (768 << 10) + 3 * 4)
+            assert r[policy, "blocks"] == (blocks_expected, blocks_path)
+            assert r[policy, "blocks_in_place"] == (blocks_expected, blocks_path)  # rank 2 copies its block
+            assert r[policy, "largest"] == (float(p), halves if p == 2 else _small_path(world, DIRECT_BOUND[p][0]))
             assert r[policy, "above"][0] == float(p) and r[policy, "above"][1] != "direct"
         assert r["fixed", "medium"] != "direct"  # a split policy keeps the DAG (both planes)

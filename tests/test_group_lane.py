@@ -9,7 +9,7 @@ import pytest
 from mpccs.errors import MismatchError
 from mpccs.group_lane_ops import combine, published, takes_group_lane
 from mpccs.transports import shm
-from mpccs.transports.shm_group import GROUP_LANE_MAX_BYTES, SEGMENT_BYTES, ShmGroup
+from mpccs.transports.shm_group import GROUP_LANE_MAX_BYTES, ShmGroup, lane_bound, segment_bytes
 from rankpool import RankPool
 from test_lane import always_sleeping
 
@@ -27,7 +27,7 @@ def pool():
 
 # -- the protocol, every rank in this process ---------------------------------
 def _groups(size=3):
-    maps = [mmap.mmap(-1, SEGMENT_BYTES) for _ in range(size)]
+    maps = [mmap.mmap(-1, segment_bytes(size)) for _ in range(size)]
     return [ShmGroup(maps, r) for r in range(size)]
 
 
@@ -85,9 +85,11 @@ def test_what_a_rank_publishes_and_the_bound():
     assert published("broadcast", send, 1, root=0).size == 0
     assert published("broadcast", send, 0, root=0) is send
     assert published("reduce", send, 1, root=0) is send
-    group = object()
-    assert takes_group_lane(group, "all_reduce", np.zeros(GROUP_LANE_MAX_BYTES, np.uint8))
-    assert not takes_group_lane(group, "all_reduce", np.zeros(GROUP_LANE_MAX_BYTES + 1, np.uint8))
+    group = _groups(4)[0]
+    assert group.lane_bytes == lane_bound(4) == 680 << 10  # 2 MiB read from 3 peers at most, in pages
+    assert lane_bound(3) == GROUP_LANE_MAX_BYTES and lane_bound(8) == 292 << 10
+    assert takes_group_lane(group, "all_reduce", np.zeros(group.lane_bytes, np.uint8))
+    assert not takes_group_lane(group, "all_reduce", np.zeros(group.lane_bytes + 1, np.uint8))
     assert not takes_group_lane(group, "all_to_allv", send)
     assert not takes_group_lane(None, "all_reduce", send)
 
@@ -182,13 +184,14 @@ def test_every_small_collective_takes_the_group_lane_and_matches_numpy(pool):
 
 
 def above_the_bound(comm):
-    x = np.full(GROUP_LANE_MAX_BYTES // 4 + 1, comm.rank + 1.0, np.float32)
+    x = np.full(lane_bound(comm.size) // 4 + 1, comm.rank + 1.0, np.float32)
     comm.all_reduce(x)
     return comm.last_stats()["algorithm"], float(x[0])
 
 
-def test_a_call_above_the_bound_takes_the_direct_path(pool):
-    assert pool.run(above_the_bound) == [("direct", 6.0)] * 3
+def test_a_call_above_the_bound_takes_another_path(pool):
+    for algorithm, value in pool.run(above_the_bound):
+        assert algorithm != "direct_lane" and value == 6.0
 
 
 def async_calls_in_flight(comm):

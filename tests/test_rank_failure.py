@@ -51,7 +51,7 @@ def test_every_survivor_of_a_group_lane_call_raises_naming_the_lost_rank(trial):
     or by the other's abort, and refuses further use."""
     p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "3", "--grace", "20", PROG, "2"],
                        env=clean_env(), capture_output=True, text=True, timeout=60)
-    results = [line for line in p.stdout.splitlines() if "RESULT" in line and "aborted" not in line]
+    results = [line for line in p.stdout.splitlines() if "RESULT" in line and "RESULT aborted" not in line]
     assert sorted(line.split("]")[0] for line in results) == ["[rank 0", "[rank 2"], p.stdout + p.stderr
     for line in results:
         seconds, kind = re.search(r"RESULT ([\d.]+) (\w+):", line).groups()

@@ -9,15 +9,17 @@ oversubscribed_s28/). Through segments every rank maps, a call is a copy into
 the rank's own slot, a fingerprint entry, and reads of the others' slots.
 
 Layout of each rank's segment: a header page of int64 words, each written by
-its owner only, then LANE_SLOTS slots of LANE_SLOT_BYTES (their first
-LANE_META_BYTES: the payload's operation sequence number and byte count).
-Header words: FLAG_WAITING (the operation for which the owner stopped
-polling and sleeps until a peer rings: shm.py), the fingerprint ring (as shm.py's: entry seq % FP_RING holds the fingerprint's two
-words, then seq, written last), and the taken table: word TAKEN_AT + j x
-LANE_SLOTS + k holds the last operation whose payload in rank j's slot k the
-owner read. A rank writes slot k again only once every peer's entry for it
-reached what the slot holds (lane_free). Publication relies on x86-64's store
-order and an uncontended lock as the fence, as shm.py says.
+its owner only, then LANE_SLOTS slots, each LANE_META_BYTES of meta words (the
+payload's operation sequence number and byte count) and then room for the
+lane's bound (lane_bound: it depends on the number of ranks). Header words:
+FLAG_WAITING (the operation for which the owner stopped polling and sleeps
+until a peer rings: shm.py), the fingerprint ring (as shm.py's: entry seq %
+FP_RING holds the fingerprint's two words, then seq, written last), and the
+taken table: word TAKEN_AT + j x LANE_SLOTS + k holds the last operation
+whose payload in rank j's slot k the owner read. A rank writes slot k again
+only once every peer's entry for it reached what the slot holds (lane_free).
+Publication relies on x86-64's store order and an uncontended lock as the
+fence, as shm.py says.
 
 Set-up (open_group) follows shm.open_pair: each rank creates its segment in
 /dev/shm, the names go through the bootstrap store, each maps the others',
@@ -42,16 +44,25 @@ FLAG_WAITING = 3
 FP_RING_AT, FP_RING, FP_WORDS = 16, 32, 3  # header words [16, 112)
 LANE_SLOTS = 2  # a rank one operation ahead of the slowest peer need not wait to post
 TAKEN_AT = FP_RING_AT + FP_RING * FP_WORDS  # [112, 112 + 8 x 2)
-# The largest input a rank publishes (group_lane_ops.takes_group_lane); a slot holds it, so a
-# process maps 2 x this per rank. Against the direct path's messages at 64-256 KiB, 3 and 4
-# ranks: 3.3-6.0x faster (bench/results/group_lane_s29/); larger inputs take the direct path's
-# medium messages or blocks, where the policy allows it, as before.
-GROUP_LANE_MAX_BYTES = 256 << 10
+# The largest input a rank publishes (group_lane_ops.takes_group_lane): every rank reads every
+# other's, (N - 1) x the input, at most GROUP_LANE_BUDGET_BYTES a call (as the direct path's medium
+# messages: comm.DIRECT_MEDIUM_BUDGET) and at most GROUP_LANE_MAX_BYTES: 1 MiB on 3 ranks, 680 KiB on
+# 4, 288 KiB on 8. Slots hold the bound, so a process maps 2 x the bound per rank. Against the direct
+# path, 3 ranks: 2.9x at 512 KiB, 2.0x at 1 MiB; 4 ranks: 2.9x at 512 KiB, 0.74x at 1 MiB, which this
+# budget leaves to the direct path (bench/results/group_lane_bound_s29/).
+GROUP_LANE_MAX_BYTES = 1 << 20
+GROUP_LANE_BUDGET_BYTES = 2 << 20
 LANE_META_BYTES = 64
-LANE_SLOT_BYTES = LANE_META_BYTES + GROUP_LANE_MAX_BYTES
 LANE_AT = HEADER_BYTES
-LANE_META_AT, LANE_SLOT_WORDS = LANE_AT // 8, LANE_SLOT_BYTES // 8
-SEGMENT_BYTES = LANE_AT + LANE_SLOTS * LANE_SLOT_BYTES
+
+
+def lane_bound(size: int) -> int:
+    """The group lane's largest input on ``size`` ranks (a multiple of the page size)."""
+    return min(GROUP_LANE_MAX_BYTES, GROUP_LANE_BUDGET_BYTES // (size - 1) // 4096 * 4096)
+
+
+def segment_bytes(size: int) -> int:
+    return LANE_AT + LANE_SLOTS * (LANE_META_BYTES + lane_bound(size))
 
 
 class ShmGroup:
@@ -61,11 +72,15 @@ class ShmGroup:
     def __init__(self, maps: list, rank: int, yields: bool = False):
         self._maps = maps
         self.rank, self.size, self.yields = rank, len(maps), yields
+        self.lane_bytes = lane_bound(self.size)  # the largest input a rank publishes
+        slot_bytes = LANE_META_BYTES + self.lane_bytes
+        # Slot k's meta words, as int64 words of a segment: from _meta_at + k x _slot_words.
+        self._meta_at, self._slot_words = LANE_AT // 8, slot_bytes // 8
         self.peers = tuple(r for r in range(self.size) if r != rank)
         # One word through a memoryview costs ~60 ns against 120-270 through numpy (shm.py).
         self.words = [memoryview(m).cast("q") for m in maps]
         self.own = self.words[rank]
-        self.boxes = [np.ndarray((LANE_SLOTS, LANE_SLOT_BYTES), np.uint8, m, LANE_AT)[:, LANE_META_BYTES:]
+        self.boxes = [np.ndarray((LANE_SLOTS, slot_bytes), np.uint8, m, LANE_AT)[:, LANE_META_BYTES:]
                       for m in maps]
         self._fence = threading.Lock()
         for box in self.boxes:  # map every page now (shm.ShmPair: resident memory steps up once)
@@ -78,7 +93,7 @@ class ShmGroup:
     def lane_free(self, seq: int) -> bool:
         """Whether operation ``seq``'s slot may be written: empty, or its payload read by every peer."""
         slot = seq % LANE_SLOTS
-        held = self.own[LANE_META_AT + slot * LANE_SLOT_WORDS]
+        held = self.own[self._meta_at + slot * self._slot_words]
         taken = TAKEN_AT + self.rank * LANE_SLOTS + slot
         return held == 0 or all(self.words[p][taken] >= held for p in self.peers)
 
@@ -92,7 +107,7 @@ class ShmGroup:
         words, then the fingerprint entry, its seq last, fenced before and after
         (the caller looks at the peers' FLAG_WAITING next: shm.py, Dekker's order)."""
         own = self.own
-        meta = LANE_META_AT + seq % LANE_SLOTS * LANE_SLOT_WORDS
+        meta = self._meta_at + seq % LANE_SLOTS * self._slot_words
         own[meta], own[meta + 1] = seq, nbytes
         entry = FP_RING_AT + seq % FP_RING * FP_WORDS
         own[entry], own[entry + 1] = words
@@ -132,14 +147,14 @@ class ShmGroup:
         byte count, and the peer is not asleep waiting for a doorbell."""
         theirs = self.words[peer]
         entry = FP_RING_AT + seq % FP_RING * FP_WORDS
-        meta = LANE_META_AT + seq % LANE_SLOTS * LANE_SLOT_WORDS
+        meta = self._meta_at + seq % LANE_SLOTS * self._slot_words
         return (theirs[entry + 2] == seq and theirs[entry] == words[0] and theirs[entry + 1] == words[1]
                 and theirs[meta] == seq and theirs[meta + 1] == nbytes and theirs[FLAG_WAITING] != seq)
 
     def peer_slot_bytes(self, peer: int, seq: int) -> Optional[int]:
         """The byte count of ``peer``'s payload of ``seq``, or None if its slot holds another operation's."""
         theirs = self.words[peer]
-        meta = LANE_META_AT + seq % LANE_SLOTS * LANE_SLOT_WORDS
+        meta = self._meta_at + seq % LANE_SLOTS * self._slot_words
         return theirs[meta + 1] if theirs[meta] == seq else None
 
     def peer_waiting(self, peer: int, seq: int) -> bool:
@@ -186,7 +201,7 @@ def open_group(store, rank: int, size: int, timeout_s: float, willing: bool, yie
     own, name, error = None, "", "not willing"
     if willing:
         try:
-            name, own = create_segment("mpccs-g", SEGMENT_BYTES)
+            name, own = create_segment("mpccs-g", segment_bytes(size))
             error = ""
         except OSError as exc:
             error = f"{type(exc).__name__}: {exc}"
@@ -196,7 +211,7 @@ def open_group(store, rank: int, size: int, timeout_s: float, willing: bool, yie
     if own is not None and all(names):
         try:
             for r, n in enumerate(names):
-                maps.append(own if r == rank else map_segment(n, SEGMENT_BYTES))
+                maps.append(own if r == rank else map_segment(n, segment_bytes(size)))
         except (OSError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}"
             for m in maps:
