@@ -58,6 +58,7 @@ class Engine:
         self._abort_sends: list = []
         self._poller = None
         self.idle_spins_before_yield = IDLE_SPINS_BEFORE_YIELD  # (share_cores)
+        self.oversubscribed = False  # more ranks on this host than this rank's cores (share_cores)
         self.decisions = DecisionCache()
         self.liveness: Optional[Callable[[], list]] = None  # returns ranks known to be gone
         self.health = PlaneHealth(rank, comm_id, planes, plane_timeout_s, reprobe_s)
@@ -376,6 +377,7 @@ class Engine:
     def share_cores(self, oversubscribed: bool) -> None:
         """Whether this host runs more ranks than this rank has cores (the communicator
         counts them): a waiting rank then yields at its first idle round."""
+        self.oversubscribed = oversubscribed
         self.idle_spins_before_yield = IDLE_SPINS_BEFORE_YIELD_OVERSUBSCRIBED if oversubscribed \
             else IDLE_SPINS_BEFORE_YIELD
 

@@ -26,6 +26,7 @@ of a reduction, so both ranks' results are bit-identical to every other path's.
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable, Optional
 
@@ -213,9 +214,15 @@ class LaneOp(SegmentMeetingOp):
         """Spin on the peer's entry without the planes, for at most PEER_SPIN_S
         (as the engine's polling would) and not past a doorbell to ring (a UCX
         send: the engine's to progress). True once finished, with or without an
-        error; else the engine takes it from here."""
+        error; else the engine takes it from here. Where the host has more
+        ranks than cores each look gives the core away first: the rank it
+        waits for may have none (3 ranks on 2 cores, async 8-byte calls and
+        their waits: 95-150 -> 46-59 us, bench/results/group_lane_async_s29/)."""
         deadline = time.perf_counter() + direct_ops.PEER_SPIN_S
+        yields = self.engine.oversubscribed
         while not self.finished and not self._doorbells:
+            if yields:
+                os.sched_yield()
             self.advance()
             if time.perf_counter() > deadline:
                 break

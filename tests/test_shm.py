@@ -134,19 +134,22 @@ def test_one_unwilling_rank_closes_them_on_both():
         pool.close()
 
 
-def test_three_ranks_have_no_segments_and_yield_at_once_where_cores_are_fewer():
+def test_three_ranks_have_no_pair_segments_and_yield_at_once_where_cores_are_fewer():
     pool = RankPool(3)
     try:
-        for segments, local_size, cores, spins in pool.run(segments_and_cores):
-            assert segments is None and local_size == 3
+        for segments, local_size, cores, spins, oversubscribed, group_yields in pool.run(segments_and_cores):
+            assert segments is None and local_size == 3  # (3 ranks: the group's segments, not the pair's)
             assert spins == (engine.IDLE_SPINS_BEFORE_YIELD_OVERSUBSCRIBED if cores < 3
                              else engine.IDLE_SPINS_BEFORE_YIELD), (cores, spins)
+            assert oversubscribed == group_yields == (cores < 3)  # lane spins give the core away too
     finally:
         pool.close()
 
 
 def segments_and_cores(comm):
-    return comm._engine.shm, comm.local_size, usable_cores(), comm._engine.idle_spins_before_yield
+    engine = comm._engine
+    return engine.shm, comm.local_size, usable_cores(), engine.idle_spins_before_yield, engine.oversubscribed, \
+        comm._group.yields
 
 
 def test_usable_cores_are_the_affinity_mask(monkeypatch):
