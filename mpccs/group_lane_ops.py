@@ -1,5 +1,6 @@
-"""The group lane: a small collective of a 3- to 8-rank job on one host whole
-through segments every rank maps (transports/shm_group.py), the N-rank form
+"""The group lane: a collective of a 3- to 8-rank job on one host whose input
+is within shm_group.lane_bound (1 MiB on 3 ranks, 680 KiB on 4), whole
+through segments every rank maps (transports/shm_group.py): the N-rank form
 of the 2-rank lane (lane_ops.py).
 
 Why: on N ranks the direct path sends N - 1 UCX messages per rank and call

@@ -3,10 +3,11 @@ rank mapping every other's: the group lane, small collectives whole
 (group_lane_ops.py), the N-rank form of the 2-rank lane (shm.py).
 
 Why: on N ranks the direct path sends N - 1 UCX messages per rank and call,
-~60 us of Python and UCX each on this VM; 3-4 ranks sharing 2 cores took
-250-400 us per 8-byte all_reduce against MPICH's 28-46 (bench/results/
-oversubscribed_s28/). Through segments every rank maps, a call is a copy into
-the rank's own slot, a fingerprint entry, and reads of the others' slots.
+tens of microseconds of Python and UCX each; 3-4 ranks sharing this VM's 2
+cores took 82-184 us per 8-byte all_reduce and 164-460 us at 16-64 KiB
+(bench/results/group_lane_s29/). Through segments every rank maps, a call is
+a copy into the rank's own slot, a fingerprint entry, and reads of the
+others' slots: 1.9-4.9x faster.
 
 Layout of each rank's segment: a header page of int64 words, each written by
 its owner only, then LANE_SLOTS slots, each LANE_META_BYTES of meta words (the
@@ -47,7 +48,7 @@ TAKEN_AT = FP_RING_AT + FP_RING * FP_WORDS  # [112, 112 + 8 x 2)
 # The largest input a rank publishes (group_lane_ops.takes_group_lane): every rank reads every
 # other's, (N - 1) x the input, at most GROUP_LANE_BUDGET_BYTES a call (as the direct path's medium
 # messages: comm.DIRECT_MEDIUM_BUDGET) and at most GROUP_LANE_MAX_BYTES: 1 MiB on 3 ranks, 680 KiB on
-# 4, 288 KiB on 8. Slots hold the bound, so a process maps 2 x the bound per rank. Against the direct
+# 4, 292 KiB on 8. Slots hold the bound, so a process maps 2 x the bound per rank. Against the direct
 # path, 3 ranks: 2.9x at 512 KiB, 2.0x at 1 MiB; 4 ranks: 2.9x at 512 KiB, 0.74x at 1 MiB, which this
 # budget leaves to the direct path (bench/results/group_lane_bound_s29/).
 GROUP_LANE_MAX_BYTES = 1 << 20
