@@ -23,10 +23,10 @@ from .direct_ops import (DIRECT_BLOCKS_MIN_BYTES, DIRECT_CMA_BLOCK_BYTES, DIRECT
                          DIRECT_MEDIUM_BUDGET, DIRECT_SHM_MIN_BYTES, DirectAllGatherOp, DirectAllReduceOp,
                          DirectAllToAllOp, DirectBlocksAllReduceOp, DirectBroadcastOp, DirectReduceOp,
                          DirectReduceScatterOp, DirectShmAllReduceOp, DirectShmBlocksOp, LightRecord, StartedSteps,
-                         peer_part, run_steps_alone)
+                         run_steps_alone)
 from .engine import Engine
 from .flows import Splitter
-from .group_lane_ops import GroupLane, GroupLaneOp, takes_group_lane, published as published_by_group
+from .group_lane_ops import GroupLane, GroupLaneOp, takes_group_lane
 from .lane_ops import DONE as LANE_DONE, POSTED as LANE_POSTED, Lane, LaneOp, fingerprint_words, takes_lane
 from .operation import Operation
 from .p2p_ops import RecvOp, SendOp
@@ -152,7 +152,7 @@ class Communicator:
         if 2 < self.size <= GROUP_MAX_RANKS and boot.store is not None:
             self._group = shm_group.open_group(boot.store, self.rank, self.size, options.rendezvous_timeout_s,
                                                willing=self._group_willing(options),
-                                               yields=self.local_size > usable_cores())
+                                               yields=self._engine.oversubscribed)
         self._group_lane = GroupLane(self._group, self.rank) if self._group is not None else None
         self._telemetry = Telemetry(options.trace, self.rank)
         self._policy = None
@@ -786,9 +786,10 @@ class Communicator:
 
     def _run_direct(self, name, send, out, op, result, async_op, finalize=None, root=None):
         if takes_lane(self._engine.shm, name, send):
-            return self._run_lane(name, send, out, op, result, async_op, finalize, root)
+            return self._run_lane(self._lane, LaneOp, name, send, out, op, result, async_op, finalize, root)
         if takes_group_lane(self._group, name, send):
-            return self._run_group_lane(name, send, out, op, result, async_op, finalize, root)
+            return self._run_lane(self._group_lane, GroupLaneOp, name, send, out, op, result, async_op, finalize,
+                                  root)
         # Always the control plane (scale-up where it reaches): both ends must
         # agree on the plane without a round trip, and plane state (a plane
         # down, rejoining) may differ between ranks for a moment.
@@ -850,33 +851,27 @@ class Communicator:
             return None
         return fingerprint.make(name, op, send.dtype, algorithm, root, 0, send.size)
 
-    def _run_lane(self, name, send, out, op, result, async_op, finalize, root):
-        """A 2-rank call through the lane (lane_ops): a call with nothing else in
-        flight exchanges by itself (Lane.exchange: no Operation, its record built
-        only if asked; an async one whose peer is there at once gets a Work that
-        is already done, 38 -> 24 us for 8 bytes and its wait); whatever that does
-        not finish, an operation takes over, posted or not, run alone first where
-        it can be."""
-        fp = self._direct_fingerprint(name, op, send, LaneOp.algorithm, root)
+    def _run_lane(self, lane, kind, name, send, out, op, result, async_op, finalize, root):
+        """A call through a lane (``lane``: the 2-rank Lane or the GroupLane; ``kind``:
+        its operation, LaneOp or GroupLaneOp): a call with nothing else in flight
+        exchanges by itself (no Operation, its record built only if asked; an async
+        one whose peers are there at once gets a Work that is already done, 38 -> 24
+        us for 8 bytes and its wait on 2 ranks); whatever that does not finish, an
+        operation takes over, posted or not, run alone first where it can be."""
+        fp = self._direct_fingerprint(name, op, send, kind.algorithm, root)
         seq, engine, posted = self._next_seq(), self._engine, False
-        parts = peer_part(name, send, self.rank, root)
+        parts = lane.parts(name, send, root)
         if not engine.active and self._records_light():
-            # An async call looks for its peer a moment, not PEER_SPIN_S: it must not block.
+            # An async call looks for its peers a moment, not PEER_SPIN_S: it must not block.
             t_start = time.perf_counter()
-            outcome = self._lane.exchange(seq, name, send, out, op, root, parts, fingerprint_words(fp),
-                                          spin_s=0.0 if async_op else direct_ops.PEER_SPIN_S)
+            outcome = lane.exchange(seq, name, send, out, op, root, parts, fingerprint_words(fp),
+                                    spin_s=0.0 if async_op else direct_ops.PEER_SPIN_S)
             if outcome == LANE_DONE:
-                self._finished_alone(name, seq, parts[0].nbytes, t_start, LaneOp.algorithm, finalize)
+                self._finished_alone(name, seq, parts[0].nbytes, t_start, kind.algorithm, finalize)
                 return Work(self, self._last_stats, result) if async_op else result
             posted = outcome == LANE_POSTED
-        lane_op = LaneOp(engine, seq, send, out, op, fp, finalize, name, lane=self._lane, parts=parts,
-                         root=root, posted=posted)
-        return self._drive_lane_op(lane_op, result, async_op)
-
-    def _drive_lane_op(self, lane_op, result, async_op: bool):
-        """A lane operation (2 ranks or a group) the exchange did not finish: run
-        alone first where it can be, else through the engine."""
-        engine = self._engine
+        lane_op = kind(engine, seq, send, out, op, fp, finalize, name, lane=lane, parts=parts, root=root,
+                       posted=posted)
         lane_op.on_finish.append(self._record)
         if async_op or engine.active:
             lane_op.advance()  # one look: a peer already there finishes it now
@@ -889,23 +884,6 @@ class Communicator:
             return Work(self, lane_op, result)
         self._wait_usable(lane_op, None)
         return result
-
-    def _run_group_lane(self, name, send, out, op, result, async_op, finalize, root):
-        """A call of 3 to 8 ranks through the group lane (group_lane_ops), run as
-        _run_lane runs a 2-rank one."""
-        fp = self._direct_fingerprint(name, op, send, GroupLaneOp.algorithm, root)
-        seq, engine, posted, lane = self._next_seq(), self._engine, False, self._group_lane
-        if not engine.active and self._records_light():
-            t_start = time.perf_counter()
-            payload = published_by_group(name, send, self.rank, root)
-            outcome = lane.exchange(seq, name, send, out, op, root, payload, fingerprint_words(fp),
-                                    spin_s=0.0 if async_op else direct_ops.PEER_SPIN_S)
-            if outcome == LANE_DONE:
-                self._finished_alone(name, seq, payload.nbytes, t_start, GroupLaneOp.algorithm, finalize)
-                return Work(self, self._last_stats, result) if async_op else result
-            posted = outcome == LANE_POSTED
-        lane_op = GroupLaneOp(engine, seq, send, out, op, fp, finalize, name, lane=lane, root=root, posted=posted)
-        return self._drive_lane_op(lane_op, result, async_op)
 
     def _through_segments(self, send: np.ndarray) -> bool:
         """A direct all_reduce the shared-memory segments carry (DirectShmAllReduceOp):

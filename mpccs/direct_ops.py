@@ -481,7 +481,7 @@ class SegmentMeetingOp(Operation):
         PEER_SPIN_S, sleep and look for a fingerprint message (class docstring)."""
         pair, seq = self._pair, self.seq
         theirs = pair.peer_fingerprint(seq)
-        if theirs is None and not self._asleep and time.perf_counter() - self._since > PEER_SPIN_S:
+        if theirs is None and not self._asleep and self._past_spin():
             pair.post_waiting(seq)
             self._asleep = True
             theirs = pair.peer_fingerprint(seq)  # (it may have come between the look and the flag)
@@ -495,6 +495,10 @@ class SegmentMeetingOp(Operation):
         if pair.peer_waiting(seq):
             self._ring()
         return True
+
+    def _past_spin(self) -> bool:
+        """PEER_SPIN_S has passed since this rank published its part: time to sleep."""
+        return time.perf_counter() - self._since > PEER_SPIN_S
 
     def _ring(self, peer: Optional[int] = None) -> None:
         peer = self.peer if peer is None else peer

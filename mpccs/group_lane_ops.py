@@ -27,12 +27,10 @@ something else).
 """
 from __future__ import annotations
 
-import time
 from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
-from . import direct_ops
 from .errors import ProtocolError
 from .fingerprint import Fingerprint
 from .lane_ops import DONE, POSTED, UNPOSTED, LANE_VIEWS_KEPT, LaneOp
@@ -117,10 +115,15 @@ class GroupLane:
                 [self.pair.slot_view(r, seq, send.dtype, c) for r, c in enumerate(counts)])
         return shape
 
+    def parts(self, name: str, send: np.ndarray, root) -> tuple[np.ndarray, int]:
+        """What this rank publishes for a call, and its element count (the 2-rank Lane's form)."""
+        payload = published(name, send, self.rank, root)
+        return payload, payload.size
+
     def exchange(self, seq: int, name: str, send: np.ndarray, out: np.ndarray, op: str, root,
-                 payload: np.ndarray, words: tuple[int, int], spin_s: float) -> int:
-        """DONE (out holds the result), UNPOSTED or POSTED (lane_ops' outcomes)."""
-        group = self.pair
+                 parts: tuple[np.ndarray, int], words: tuple[int, int], spin_s: float) -> int:
+        """DONE (out holds the result), UNPOSTED or POSTED (lane_ops' outcomes); ``parts``: parts()'s."""
+        group, payload = self.pair, parts[0]
         if not group.lane_free(seq):
             return UNPOSTED
         shape = self.shape(seq, name, send, root)
@@ -150,12 +153,12 @@ class GroupLaneOp(LaneOp):
 
     def __init__(self, engine, seq, send: np.ndarray, out: np.ndarray, op: str,
                  fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,
-                 name: str = "all_reduce", *, lane: GroupLane, root=None, posted: bool = False):
-        payload = published(name, send, engine.rank, root)
+                 name: str = "all_reduce", *, lane: GroupLane, parts: tuple[np.ndarray, int], root=None,
+                 posted: bool = False):
         self._byte_counts = lane.shape(seq, name, send, root).byte_counts
         self._not_met = list(lane.peers)
-        super().__init__(engine, seq, send, out, op, fingerprint, finalize, name, lane=lane,
-                         parts=(payload, payload.size), root=root, posted=posted)
+        super().__init__(engine, seq, send, out, op, fingerprint, finalize, name, lane=lane, parts=parts,
+                         root=root, posted=posted)
 
     def _advance(self) -> bool:
         if not self._posted and not self._post():
@@ -183,9 +186,6 @@ class GroupLaneOp(LaneOp):
             return False
         self._met = True
         return True
-
-    def _past_spin(self) -> bool:
-        return time.perf_counter() - self._since > direct_ops.PEER_SPIN_S
 
     def _meet_arrived(self) -> None:
         group, seq = self._pair, self.seq

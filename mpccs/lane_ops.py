@@ -33,7 +33,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import direct_ops
-from .direct_ops import SegmentMeetingOp
+from .direct_ops import SegmentMeetingOp, peer_part
 from .errors import ProtocolError
 from .fingerprint import Fingerprint
 from .reduce import reduce_to
@@ -93,6 +93,10 @@ class Lane:
         self.pair, self.rank = pair, rank
         self.peers = (1 - rank,)
         self._views: dict = {}  # (slot, dtype, count) -> the slot views (ShmPair.lane_views)
+
+    def parts(self, name: str, send: np.ndarray, root) -> tuple[np.ndarray, int]:
+        """What this rank publishes for a call, and the element count it reads from its peer (peer_part)."""
+        return peer_part(name, send, self.rank, root)
 
     def exchange(self, seq: int, name: str, send: np.ndarray, out: np.ndarray, op: str, root,
                  parts: tuple[np.ndarray, int], words: tuple[int, int], spin_s: float) -> int:

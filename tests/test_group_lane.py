@@ -44,7 +44,7 @@ def test_every_peer_is_met_only_with_the_same_words_and_byte_count():
     _post(g1, 1, np.arange(2, dtype=np.float32))
     assert not g0.met_all(1, counts, WORDS, spin_s=0.0)  # rank 2 has not posted
     _post(g2, 1, np.arange(2, dtype=np.float32), words=(0x1234, 5))
-    assert g2.arrived(0, 1) and not g0.met_all(1, counts, WORDS, spin_s=0.0)  # rank 2's words differ
+    assert g0.peer_fingerprint(2, 1) is not None and not g0.met_all(1, counts, WORDS, spin_s=0.0)  # words differ
     assert not g2.met_all(1, (8, 8, 4), (0x1234, 5), spin_s=0.0)
     h0, h1, h2 = _groups()
     for g in (h0, h1, h2):

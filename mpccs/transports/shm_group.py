@@ -131,10 +131,6 @@ class ShmGroup:
             own[TAKEN_AT + p * LANE_SLOTS + slot] = seq
 
     # -- the peers' ---------------------------------------------------------
-    def arrived(self, peer: int, seq: int) -> bool:
-        """Whether ``peer`` published its fingerprint entry for operation ``seq``."""
-        return self.words[peer][FP_RING_AT + seq % FP_RING * FP_WORDS + 2] == seq
-
     def peer_fingerprint(self, peer: int, seq: int) -> Optional[np.ndarray]:
         """``peer``'s fingerprint words for ``seq`` as bytes, or None while its entry holds another operation's."""
         entry = FP_RING_AT + seq % FP_RING * FP_WORDS
