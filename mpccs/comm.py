@@ -26,7 +26,7 @@ from .direct_ops import (DIRECT_BLOCKS_MIN_BYTES, DIRECT_CMA_BLOCK_BYTES, DIRECT
                          run_steps_alone)
 from .engine import Engine
 from .flows import Splitter
-from .group_lane_ops import GroupLane, GroupLaneOp, takes_group_lane
+from .group_lane_ops import GroupLane, GroupLaneOp, GroupReadsOp, takes_group_lane, takes_group_reads
 from .lane_ops import DONE as LANE_DONE, POSTED as LANE_POSTED, Lane, LaneOp, fingerprint_words, takes_lane
 from .operation import Operation
 from .p2p_ops import RecvOp, SendOp
@@ -152,7 +152,7 @@ class Communicator:
         if 2 < self.size <= GROUP_MAX_RANKS and boot.store is not None:
             self._group = shm_group.open_group(boot.store, self.rank, self.size, options.rendezvous_timeout_s,
                                                willing=self._group_willing(options),
-                                               yields=self._engine.oversubscribed)
+                                               yields=self._engine.oversubscribed, cma_willing=options.cma)
         self._group_lane = GroupLane(self._group, self.rank) if self._group is not None else None
         self._telemetry = Telemetry(options.trace, self.rank)
         self._policy = None
@@ -498,6 +498,12 @@ class Communicator:
         pair = self._engine.shm
         return pair is not None and pair.cma and self._policy in (UP, "adaptive")
 
+    def _group_reads(self) -> bool:
+        """3 to 8 ranks whose group reads across processes (transports/shm_group.py),
+        under policy 'up' or 'adaptive' (why 'adaptive' too: _direct_by_cma)."""
+        group = self._group
+        return group is not None and group.cma and self._policy in (UP, "adaptive")
+
     def _moves_on_device(self, device_arrays: dict, any_size: bool = False) -> bool:
         """Whether a data-movement call's device arrays go to the planes as they are
         (GPU-direct, validated here) rather than through host mirrors: from
@@ -777,6 +783,8 @@ class Communicator:
         and its planning and probes cost 4-6% of the call (bench/adaptive_cost.py).
         A testbed whose 'up' is a network has no segments, so its calls stay the
         controller's. The same answer on every rank (configuration and call only)."""
+        if self._group_reads():
+            return takes_group_reads(self._group, collective, block_bytes if collective == "all_gather" else call_bytes)
         if not self._pair_reads():
             return False
         if collective == "all_reduce":
@@ -794,38 +802,42 @@ class Communicator:
         # agree on the plane without a round trip, and plane state (a plane
         # down, rejoining) may differ between ranks for a moment.
         kind = DIRECT_OPS.get(name, DirectAllReduceOp)  # all_reduce and barrier: DirectAllReduceOp
-        if name == "all_reduce" and self._through_segments(send):
+        engine = self._engine
+        segments, extra = engine.shm, {} if root is None else {"root": root}
+        if self._group_reads() and takes_group_reads(self._group, name, send.nbytes):
+            kind, segments, extra = GroupReadsOp, self._group, {"group": self._group}
+        elif name == "all_reduce" and self._through_segments(send):
             kind = DirectShmAllReduceOp
         elif name in CMA_BLOCK_COLLECTIVES and self._direct_by_cma(name, _block_bytes(name, send, out, self.size), 0):
             kind = DirectShmBlocksOp
         elif name == "all_reduce" and send.nbytes >= DIRECT_BLOCKS_MIN_BYTES:
             kind = DirectBlocksAllReduceOp
         fp = self._direct_fingerprint(name, op, send, kind.algorithm, root)  # (every caller checked usability)
-        extra = {} if root is None else {"root": root}
-        engine = self._engine
         if issubclass(kind, DirectShmAllReduceOp) and not async_op and not engine.active \
                 and engine.shm_holder is None and self._records_light():
-            return self._run_steps_alone(kind, name, send, out, op, fp, result, finalize, extra)
+            return self._run_steps_alone(kind, segments, name, send, out, op, fp, result, finalize, extra, root)
         dop = kind(engine, self._next_seq(), send, out, op, self.size, fp, finalize, name, **extra)
         return self._submit(dop, result, async_op)
 
-    def _run_steps_alone(self, kind, name, send, out, op, fp, result, finalize, extra):
-        """A blocking 2-rank call through the segments with nothing else in flight:
-        its steps run here without an operation (direct_ops.run_steps_alone, as
-        the lane's exchange); what they do not finish, an operation takes over
-        where they stopped (its meeting, sleep, stall watch), and a failed step
-        fails that operation (its abandon, the abort)."""
+    def _run_steps_alone(self, kind, segments, name, send, out, op, fp, result, finalize, extra, root):
+        """A blocking call through the segments (``segments``: the pair's, or the
+        group's for GroupReadsOp) with nothing else in flight: its steps run here
+        without an operation (direct_ops.run_steps_alone, as the lane's exchange);
+        what they do not finish, an operation takes over where they stopped (its
+        meeting, sleep, stall watch), and a failed step fails that operation (its
+        abandon, the abort)."""
         engine, seq, t_start = self._engine, self._next_seq(), time.perf_counter()
-        pair, root = engine.shm, extra.get("root", 0)
-        steps = kind.publish(pair, engine, seq, name, send, out, op, fp, root)
+        root = 0 if root is None else root
+        steps = kind.publish(segments, engine, seq, name, send, out, op, fp, root)
         failure = None
         try:
-            done, met = run_steps_alone(pair, seq, steps, fp)
+            done, met = run_steps_alone(segments, seq, steps, fp, None if segments is engine.shm else segments.peers,
+                                        yields=engine.oversubscribed)
         except BaseException as exc:  # noqa: BLE001 - failed as the operation's own advance would (Operation.advance)
             failure, done, met = exc, False, True
         if done:
-            self._finished_alone(name, seq, kind.peer_bytes(name, send, self.rank, root), t_start, kind.algorithm,
-                                 finalize)
+            self._finished_alone(name, seq, kind.peer_bytes(name, send, self.rank, root, self.size), t_start,
+                                 kind.algorithm, finalize)
             return result
         dop = kind(engine, seq, send, out, op, self.size, fp, finalize, name, **extra,
                    started=StartedSteps(steps, met, t_start))

@@ -3,6 +3,7 @@
 through the shared-memory segments."""
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
@@ -585,8 +586,9 @@ class DirectShmAllReduceOp(SegmentMeetingOp):
 
     def __init__(self, engine, seq, send: np.ndarray, out: np.ndarray, op: str, world: int,
                  fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,
-                 name: str = "all_reduce", *, started: Optional[StartedSteps] = None):
-        super().__init__(engine, seq, send, out, op, fingerprint, finalize, name)
+                 name: str = "all_reduce", *, started: Optional[StartedSteps] = None, segments=None,
+                 peers: Optional[tuple] = None):
+        super().__init__(engine, seq, send, out, op, fingerprint, finalize, name, segments=segments, peers=peers)
         # (self.mine: the steps read each half before anything writes over it)
         self._steps = None
         if started is None:
@@ -594,10 +596,10 @@ class DirectShmAllReduceOp(SegmentMeetingOp):
         else:
             self.engine.shm_holder = self
             self._steps, self._met, self._since = started
-        self.bytes_per_plane[UP] = self.peer_bytes(name, send, engine.rank, self.root)
+        self.bytes_per_plane[UP] = self.peer_bytes(name, send, engine.rank, self.root, world)
 
     @staticmethod
-    def peer_bytes(name: str, send: np.ndarray, rank: int, root) -> int:
+    def peer_bytes(name: str, send: np.ndarray, rank: int, root, world: int) -> int:
         """What a rank's steps move to or from its peer, as counted per plane: its
         part of the peer's half, then the peer's copy of its own."""
         return send.nbytes
@@ -690,7 +692,7 @@ class DirectShmBlocksOp(DirectShmAllReduceOp):
         super().__init__(engine, seq, send, out, op, world, fingerprint, finalize, name, started=started)
 
     @staticmethod
-    def peer_bytes(name: str, send: np.ndarray, rank: int, root) -> int:
+    def peer_bytes(name: str, send: np.ndarray, rank: int, root, world: int) -> int:
         return peer_part(name, send, rank, root)[0].nbytes  # what the peer reads
 
     @staticmethod
@@ -698,27 +700,39 @@ class DirectShmBlocksOp(DirectShmAllReduceOp):
         return True  # chosen only where the pair reads (comm._direct_by_cma)
 
 
-def run_steps_alone(pair, seq: int, steps, fingerprint: Optional[Fingerprint]) -> tuple[bool, bool]:
+def run_steps_alone(pair, seq: int, steps, fingerprint: Optional[Fingerprint],
+                    peers: Optional[tuple] = None, yields: bool = False) -> tuple[bool, bool]:
     """A blocking call's steps through the segments, published with nothing else
     in flight, run here without an operation (the Operation, the engine and the
     record cost a 1-4 MiB call ~40 us: bench/results/steps_alone_s28/): the
-    peer's fingerprint, then the steps, each wait at most PEER_SPIN_S.
+    peer's fingerprint (``peers``: a group's, every peer's in turn: ShmGroup),
+    then the steps, each wait at most PEER_SPIN_S.
     (done, met): not done, DirectShmAllReduceOp(started=...) takes them over -
     a peer not there yet (its sleep and doorbells), a fingerprint that differs
     (its MismatchError), a peer asleep (the doorbell to ring), a step that
     waits longer (its stall watch). A failed read raises here, its steps as
-    they stood."""
-    deadline = time.perf_counter() + PEER_SPIN_S
-    while (theirs := pair.peer_fingerprint(seq)) is None:
-        if time.perf_counter() > deadline:
+    they stood. ``yields``: each look gives the core away first (more ranks on
+    this host than cores: the rank it waits for may have none)."""
+    for peer in (None,) if peers is None else peers:
+        def look():
+            return pair.peer_fingerprint(seq) if peer is None else pair.peer_fingerprint(peer, seq)
+        deadline = time.perf_counter() + PEER_SPIN_S
+        while (theirs := look()) is None:
+            if yields:
+                os.sched_yield()
+            if time.perf_counter() > deadline:
+                return False, False
+        asleep = pair.peer_waiting(seq) if peer is None else pair.peer_waiting(peer, seq)
+        if (fingerprint is not None and theirs.tobytes() != fingerprint.raw) or asleep:
             return False, False
-    if (fingerprint is not None and theirs.tobytes() != fingerprint.raw) or pair.peer_waiting(seq):
-        return False, False
     deadline = time.perf_counter() + PEER_SPIN_S
     while not steps.done:
         if steps.advance():
             deadline = time.perf_counter() + PEER_SPIN_S
-        elif time.perf_counter() > deadline:
+            continue
+        if yields:
+            os.sched_yield()
+        if time.perf_counter() > deadline:
             return False, True
     return True, True
 

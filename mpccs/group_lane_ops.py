@@ -31,13 +31,19 @@ from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
-from .errors import ProtocolError
+from . import wire
+from .direct_ops import DirectShmAllReduceOp, StartedSteps
+from .errors import ProtocolError, TransportError
 from .fingerprint import Fingerprint
-from .lane_ops import DONE, POSTED, UNPOSTED, LANE_VIEWS_KEPT, LaneOp
+from .group_read_steps import GROUP_READ_COLLECTIVES, GroupReadSteps
+from .lane_ops import DONE, POSTED, UNPOSTED, LANE_VIEWS_KEPT, LaneOp, fingerprint_words
 from .operation import check_fingerprint
 from .reduce import reduce_into, reduce_to
 from .transports.shm_group import LANE_SLOTS
 from .windows import UP
+
+# The group reads' largest input (takes_group_reads).
+GROUP_READS_MAX_BYTES = 256 << 20
 
 GROUP_LANE_COLLECTIVES = frozenset(("all_reduce", "barrier", "reduce_scatter", "all_gather", "all_to_all",
                                     "broadcast", "reduce"))
@@ -147,34 +153,16 @@ class GroupLane:
         self.pair.lane_taken(seq)
 
 
-class GroupLaneOp(LaneOp):
-    """One group-lane call as an Operation: LaneOp's posting in turn, running
-    alone and failing, with a meeting of every peer (module docstring)."""
-
-    def __init__(self, engine, seq, send: np.ndarray, out: np.ndarray, op: str,
-                 fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,
-                 name: str = "all_reduce", *, lane: GroupLane, parts: tuple[np.ndarray, int], root=None,
-                 posted: bool = False):
-        self._byte_counts = lane.shape(seq, name, send, root).byte_counts
-        self._not_met = list(lane.peers)
-        super().__init__(engine, seq, send, out, op, fingerprint, finalize, name, lane=lane, parts=parts,
-                         root=root, posted=posted)
-
-    def _advance(self) -> bool:
-        if not self._posted and not self._post():
-            return False
-        moved = False
-        if not self._met:
-            if not self._meet_peers():
-                return False
-            self._lane.take(self.seq, self.name, self.mine, self.out, self.op, self.root)
-            moved = True
-        return self._finish_once_rung() or moved
+class GroupMeeting:
+    """Meeting every peer of a group in its segments (SegmentMeetingOp's meeting
+    for N ranks): each peer's fingerprint entry for this operation, matched as
+    it arrives; the peers found asleep rung; past PEER_SPIN_S, this rank sleeps
+    and looks for doorbells and fingerprint messages from the peers not met
+    yet. Mixed into a SegmentMeetingOp built with the group's ``segments`` and
+    ``peers``; ``_not_met`` starts as every peer."""
 
     def _meet_peers(self) -> bool:
-        """True once every peer's payload for this operation is there and matched;
-        rings each it finds asleep; past PEER_SPIN_S sleeps and looks for
-        doorbells and fingerprint messages from the peers not met yet."""
+        """True once every peer's fingerprint for this operation is there and matched."""
         self._meet_arrived()
         if self._not_met and not self._asleep and self._past_spin():
             self._pair.post_waiting(self.seq)
@@ -201,6 +189,34 @@ class GroupLaneOp(LaneOp):
                 self._ring(peer)
 
     def _check_slot_of(self, peer: int) -> None:
+        """What else must hold once ``peer``'s fingerprint matched (nothing here)."""
+
+
+class GroupLaneOp(GroupMeeting, LaneOp):
+    """One group-lane call as an Operation: LaneOp's posting in turn, running
+    alone and failing, with a meeting of every peer (module docstring)."""
+
+    def __init__(self, engine, seq, send: np.ndarray, out: np.ndarray, op: str,
+                 fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,
+                 name: str = "all_reduce", *, lane: GroupLane, parts: tuple[np.ndarray, int], root=None,
+                 posted: bool = False):
+        self._byte_counts = lane.shape(seq, name, send, root).byte_counts
+        self._not_met = list(lane.peers)
+        super().__init__(engine, seq, send, out, op, fingerprint, finalize, name, lane=lane, parts=parts,
+                         root=root, posted=posted)
+
+    def _advance(self) -> bool:
+        if not self._posted and not self._post():
+            return False
+        moved = False
+        if not self._met:
+            if not self._meet_peers():
+                return False
+            self._lane.take(self.seq, self.name, self.mine, self.out, self.op, self.root)
+            moved = True
+        return self._finish_once_rung() or moved
+
+    def _check_slot_of(self, peer: int) -> None:
         """``peer``'s fingerprint matched (or fingerprints are off): its slot must
         hold this operation's payload, of the size expected."""
         got, expected = self._pair.peer_slot_bytes(peer, self.seq), self._byte_counts[peer]
@@ -215,3 +231,72 @@ class GroupLaneOp(LaneOp):
                    if not self._met else "the doorbells to the peers to go out")
         return {"stage": "direct lane", "peer": list(self._not_met) or list(self.peers), "plane": UP,
                 "waiting_for": waiting}
+
+
+def takes_group_reads(group, name: str, nbytes: int) -> bool:
+    """Whether a call of 3+ ranks reads across processes (group_read_steps.py):
+    the segments open with reads (on every rank or none), the collective one
+    of GROUP_READ_COLLECTIVES and its input above the group lane's bound, up
+    to GROUP_READS_MAX_BYTES (``nbytes``: the input's, the same on every rank)."""
+    return (group is not None and group.cma and name in GROUP_READ_COLLECTIVES
+            and group.lane_bytes < nbytes <= GROUP_READS_MAX_BYTES)
+
+
+class GroupReadsOp(GroupMeeting, DirectShmAllReduceOp):
+    """A 3- to 8-rank all_reduce, reduce_scatter, all_gather or all_to_all above
+    the group lane's bound, read across processes (group_read_steps.py): the
+    ranks meet in the group's segments (GroupMeeting) before the steps read
+    anything of a peer's, and take the segments in turn, as the 2-rank
+    DirectShmAllReduceOp does; a blocking call alone runs its steps without an
+    operation first (direct_ops.run_steps_alone)."""
+
+    algorithm = "group_reads"
+
+    def __init__(self, engine, seq, send: np.ndarray, out: np.ndarray, op: str, world: int,
+                 fingerprint: Optional[Fingerprint], finalize: Optional[Callable] = None,
+                 name: str = "all_reduce", *, group, started: Optional[StartedSteps] = None):
+        self._not_met = list(group.peers)
+        super().__init__(engine, seq, send, out, op, world, fingerprint, finalize, name, started=started,
+                         segments=group, peers=group.peers)
+        if self._met:  # (run alone, it met every peer)
+            self._not_met = []
+
+    @staticmethod
+    def peer_bytes(name: str, send: np.ndarray, rank: int, root, world: int) -> int:
+        """What a rank's steps read from its peers."""
+        return read_bytes(name, send.nbytes, world)
+
+    @classmethod
+    def publish(cls, group, engine, seq: int, name: str, send: np.ndarray, out: np.ndarray, op: str,
+                fingerprint: Optional[Fingerprint], root):
+        """Publish this rank's fingerprint in the group's ring, then post its steps; the steps."""
+        group.post_fingerprint(seq, fingerprint_words(fingerprint))
+        rank = engine.rank
+
+        def error(message: str, step: str, peer: int) -> TransportError:
+            return TransportError(message, rank=rank, plane=UP, peer=peer, op=name, stage=f"group reads {step}")
+        return GroupReadSteps(group, wire.attempt_seq(seq, 0), rank, name, send, out, op,
+                              lambda n: engine.kept_scratch("direct_shm", n), error)
+
+    def _meet_peer(self) -> bool:
+        return self._meet_peers()
+
+    def describe_stall(self) -> dict:
+        if self._steps is None:
+            waiting = "an earlier operation to let go of the segments"
+        elif not self._met:
+            waiting = f"ranks {self._not_met} to reach this operation (their fingerprints in their segments)"
+        else:
+            waiting = self._steps.waiting_for
+        peers = self._not_met if not self._met else getattr(self._steps, "waiting", None)
+        return {"stage": f"group reads {self._steps.step if self._steps is not None else ''}".rstrip(),
+                "peer": list(peers or self.peers), "plane": UP, "waiting_for": waiting}
+
+
+def read_bytes(name: str, nbytes: int, world: int) -> int:
+    """The bytes one rank of ``world`` reads from its peers in a call whose input is ``nbytes``."""
+    if name == "all_reduce":
+        return 2 * (nbytes - nbytes // world)
+    if name == "all_gather":
+        return nbytes * (world - 1)
+    return nbytes - nbytes // world  # reduce_scatter, all_to_all: the peers' parts of one block each

@@ -58,3 +58,20 @@ def test_every_survivor_of_a_group_lane_call_raises_naming_the_lost_rank(trial):
         assert kind == "TransportError" and "rank(s) [1] are gone" in line and "direct lane" in line, line
         assert float(seconds) < 10
     assert sum("RESULT aborted" in line for line in p.stdout.splitlines()) == 2
+
+
+@pytest.mark.parametrize("mode,trial", [("", 0), ("", 1), ("mid-steps", 0), ("mid-steps", 1)])
+def test_every_survivor_of_a_group_reads_call_raises_naming_the_lost_rank(mode, trial):
+    """3 ranks, 4 MiB read across processes (group_read_steps.py): rank 1 dies before
+    it calls (the others wait to meet it) or inside the steps after it posted its
+    buffers (the others read them or wait on its flags): each survivor raises within
+    seconds naming it, and refuses further use."""
+    p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "3", "--grace", "20", PROG, str(1 << 20),
+                        *mode.split()], env=clean_env(), capture_output=True, text=True, timeout=60)
+    results = [line for line in p.stdout.splitlines() if "RESULT" in line and "RESULT aborted" not in line]
+    assert sorted(line.split("]")[0] for line in results) == ["[rank 0", "[rank 2"], p.stdout + p.stderr
+    for line in results:
+        seconds, kind = re.search(r"RESULT ([\d.]+) (\w+):", line).groups()
+        assert kind == "TransportError" and "rank(s) [1] are gone" in line and "group reads" in line, line
+        assert float(seconds) < 10
+    assert sum("RESULT aborted" in line for line in p.stdout.splitlines()) == 2

@@ -21,6 +21,7 @@ import os
 import numpy as np
 
 PR_SET_PTRACER = 0x59616D61  # Yama's prctl: the one process, besides ancestors, that may trace this one
+PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value  # ... or any process (of the same user, as ptrace asks anyway)
 
 
 class _IoVec(ctypes.Structure):
@@ -65,6 +66,15 @@ def allow_reads_by(pid: int) -> bool:
     or it refuses (scope 2 and 3 need privileges, which the set-up's try then
     finds)."""
     return _prctl is not None and _prctl(PR_SET_PTRACER, pid, 0, 0, 0) == 0
+
+
+def allow_reads_by_any() -> bool:
+    """Let any process of this user read this one's memory under Yama's
+    ptrace_scope 1 (PR_SET_PTRACER_ANY): a group of 3 or more ranks on one host
+    reads each other's (transports/shm_group.py) and Yama keeps one allowed
+    process. What Open MPI's shared-memory transport does for its reads, and
+    what ptrace_scope 0 allows everywhere; MPCCS_CMA=0 leaves it alone."""
+    return _prctl is not None and _prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0) == 0
 
 
 def read_into(dst: np.ndarray, pid: int, remote_address: int) -> None:

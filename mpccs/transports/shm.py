@@ -95,7 +95,7 @@ LANE_META_AT, LANE_SLOT_WORDS = LANE_AT // 8, LANE_SLOT_BYTES // 8
 OUTBOX_AT = LANE_AT + -(-LANE_SLOTS * LANE_SLOT_BYTES // 4096) * 4096  # page aligned
 SEGMENT_BYTES = OUTBOX_AT + OUTBOX_BYTES
 # Header words: the owner's pid, a random cookie and the cookie's address in the owner's process
-# (what the peer's cross-memory read at set-up tries: _reads_by_cma).
+# (what the peer's cross-memory read at set-up tries: reads_cookie_of).
 WORD_PID, WORD_COOKIE, WORD_COOKIE_AT = 8, 9, 10
 SLOTS_AT, SLOTS, SLOT_WORDS = 16, 32, 8  # the slot table: header words [16, 16 + 32 * 8)
 # The fingerprint ring: header words [272, 272 + 32 * 3); an entry's words: the fingerprint's two, its seq.
@@ -306,15 +306,21 @@ def unlink_segment(name: str) -> None:
 
 def _create_own() -> tuple[str, mmap.mmap]:
     name, segment = create_segment("mpccs", SEGMENT_BYTES)
+    write_cookie(segment)
+    return name, segment
+
+
+def write_cookie(segment: mmap.mmap) -> None:
+    """This process's pid, a random cookie and the cookie's address here, in a
+    segment's header (what a peer's cross-memory read at set-up tries)."""
     header = _header(segment)
     header[WORD_PID] = os.getpid()
     header[WORD_COOKIE] = secrets.randbits(62) + 1
     header[WORD_COOKIE_AT] = header.ctypes.data + WORD_COOKIE * 8
     del header  # (a view left would keep close() from unmapping it)
-    return name, segment
 
 
-def _reads_by_cma(peer: mmap.mmap) -> bool:
+def reads_cookie_of(peer: mmap.mmap) -> bool:
     """Whether a cross-memory read of the peer's cookie, at its address in the
     peer's process, gives what the peer wrote there (transports/cma.py: the
     kernel's ptrace rule, a pid namespace between the two, a libc without
@@ -355,7 +361,7 @@ def open_pair(store, rank: int, timeout_s: float, willing: bool, cma_willing: bo
     # Both have let the other read (where Yama asks for it) before either tries.
     store.set(f"shm/mapped/{rank}", b"1")
     store.gather("shm/mapped", 2, timeout_s)
-    outcome = (b"1c" if cma_willing and _reads_by_cma(peer) else b"1") if peer is not None else error.encode() or b"0"
+    outcome = (b"1c" if cma_willing and reads_cookie_of(peer) else b"1") if peer is not None else error.encode() or b"0"
     store.set(f"shm/ok/{rank}", outcome)
     both = store.gather("shm/ok", 2, timeout_s)
     unlink_segment(name)

@@ -19,13 +19,21 @@ FP_RING holds the fingerprint's two words, then seq, written last), and the
 taken table: word TAKEN_AT + j x LANE_SLOTS + k holds the last operation
 whose payload in rank j's slot k the owner read. A rank writes slot k again
 only once every peer's entry for it reached what the slot holds (lane_free).
+Words WORD_PID, WORD_COOKIE, WORD_COOKIE_AT (as shm.py's) hold the owner's
+pid and what the set-up's cross-memory read tries; from READS_AT, the reads'
+slot table (group_read_steps.py): SLOTS slots of SLOT_WORDS words, shm.py's
+layout (the buffers' addresses, the call's shape, the steps reached).
 Publication relies on x86-64's store order and an uncontended lock as the
 fence, as shm.py says.
 
 Set-up (open_group) follows shm.open_pair: each rank creates its segment in
 /dev/shm, the names go through the bootstrap store, each maps the others',
-every rank learns every outcome (all or none use the group), each unlinks
-its own: a crash leaves no file behind.
+lets any process of its user read its memory where Yama asks (every peer
+reads it: cma.allow_reads_by_any, as Open MPI's shared-memory transport
+does), and once all have, tries one cross-memory read of every peer's
+cookie; every rank learns every outcome (all or none use the group; the
+reads only where every try worked), each unlinks its own: a crash leaves
+no file behind.
 """
 from __future__ import annotations
 
@@ -37,7 +45,9 @@ from typing import Optional
 
 import numpy as np
 
-from .shm import create_segment, map_segment, unlink_segment
+from . import cma
+from .shm import (SLOT_WORDS, SLOTS, WORD_PID, create_segment, map_segment, reads_cookie_of, unlink_segment,
+                  write_cookie)
 
 GROUP_MAX_RANKS = 8  # comm.DIRECT_MAX_RANKS: the group lane replaces the direct path's messages
 HEADER_BYTES = 4096
@@ -45,6 +55,7 @@ FLAG_WAITING = 3
 FP_RING_AT, FP_RING, FP_WORDS = 16, 32, 3  # header words [16, 112)
 LANE_SLOTS = 2  # a rank one operation ahead of the slowest peer need not wait to post
 TAKEN_AT = FP_RING_AT + FP_RING * FP_WORDS  # [112, 112 + 8 x 2)
+READS_AT = 128  # the reads' slot table: header words [128, 128 + 32 x 8)
 # The largest input a rank publishes (group_lane_ops.takes_group_lane): every rank reads every
 # other's, (N - 1) x the input, at most GROUP_LANE_BUDGET_BYTES a call (as the direct path's medium
 # messages: comm.DIRECT_MEDIUM_BUDGET) and at most GROUP_LANE_MAX_BYTES: 1 MiB on 3 ranks, 680 KiB on
@@ -68,11 +79,12 @@ def segment_bytes(size: int) -> int:
 
 class ShmGroup:
     """Every rank's segment, mapped (``maps[r]``: rank r's). ``yields``: poll
-    loops give the core away between looks (more ranks on this host than cores)."""
+    loops give the core away between looks (more ranks on this host than cores).
+    ``cma``: every rank may read every other's memory (transports/cma.py), tried at set-up."""
 
-    def __init__(self, maps: list, rank: int, yields: bool = False):
+    def __init__(self, maps: list, rank: int, yields: bool = False, cma: bool = False):
         self._maps = maps
-        self.rank, self.size, self.yields = rank, len(maps), yields
+        self.rank, self.size, self.yields, self.cma = rank, len(maps), yields, cma
         self.lane_bytes = lane_bound(self.size)  # the largest input a rank publishes
         slot_bytes = LANE_META_BYTES + self.lane_bytes
         # Slot k's meta words, as int64 words of a segment: from _meta_at + k x _slot_words.
@@ -81,6 +93,11 @@ class ShmGroup:
         # One word through a memoryview costs ~60 ns against 120-270 through numpy (shm.py).
         self.words = [memoryview(m).cast("q") for m in maps]
         self.own = self.words[rank]
+        headers = [np.ndarray(HEADER_BYTES // 8, np.int64, m, 0) for m in maps]
+        self.pids = [int(h[WORD_PID]) for h in headers]
+        # The reads' slot tables (group_read_steps.py), every rank's: slots[r][slot, word].
+        self.slots = [h[READS_AT:READS_AT + SLOTS * SLOT_WORDS].reshape(SLOTS, SLOT_WORDS) for h in headers]
+        self.own_slots = self.slots[rank]
         self.boxes = [np.ndarray((LANE_SLOTS, slot_bytes), np.uint8, m, LANE_AT)[:, LANE_META_BYTES:]
                       for m in maps]
         self._fence = threading.Lock()
@@ -115,6 +132,20 @@ class ShmGroup:
         self._fence_stores()
         own[entry + 2] = seq
         self._fence_stores()
+
+    def post_fingerprint(self, seq: int, words: tuple[int, int]) -> None:
+        """Publish this rank's fingerprint entry for operation ``seq`` alone (the
+        reads: group_read_steps.py), fenced as post_lane's."""
+        own, entry = self.own, FP_RING_AT + seq % FP_RING * FP_WORDS
+        own[entry], own[entry + 1] = words
+        self._fence_stores()
+        own[entry + 2] = seq
+        self._fence_stores()
+
+    def post_slot(self, slot: int, word: int, seq: int) -> None:
+        """Publish ``seq`` in a word of one of this rank's read slots, after every store before it."""
+        self._fence_stores()
+        self.own_slots[slot, word] = seq
 
     def post_waiting(self, seq: int) -> None:
         """This rank sleeps until a peer rings for operation ``seq``; fenced after:
@@ -180,7 +211,7 @@ class ShmGroup:
             pass
 
     def close(self) -> None:
-        self.boxes = []
+        self.boxes, self.slots, self.own_slots = [], [], None
         for words in self.words:
             words.release()
         self.words, self.own = [], None
@@ -191,14 +222,17 @@ class ShmGroup:
                 pass
 
 
-def open_group(store, rank: int, size: int, timeout_s: float, willing: bool, yields: bool = False
-               ) -> Optional[ShmGroup]:
+def open_group(store, rank: int, size: int, timeout_s: float, willing: bool, yields: bool = False,
+               cma_willing: bool = True) -> Optional[ShmGroup]:
     """Map every rank's segment, or None on every rank when any cannot or is not
-    ``willing``: each learns all outcomes first, so every rank must call this."""
+    ``willing``: each learns all outcomes first, so every rank must call this.
+    The group reads across processes where every rank is ``cma_willing`` and
+    every rank's tries worked."""
     own, name, error = None, "", "not willing"
     if willing:
         try:
             name, own = create_segment("mpccs-g", segment_bytes(size))
+            write_cookie(own)
             error = ""
         except OSError as exc:
             error = f"{type(exc).__name__}: {exc}"
@@ -215,11 +249,17 @@ def open_group(store, rank: int, size: int, timeout_s: float, willing: bool, yie
                 if m is not own:
                     m.close()
             maps = []
-    store.set(f"shmg/ok/{rank}", b"1" if maps else error.encode() or b"0")
+    if maps and cma_willing:
+        cma.allow_reads_by_any()
+    # Every rank has let the others read (where Yama asks for it) before any tries.
+    store.set(f"shmg/mapped/{rank}", b"1")
+    store.gather("shmg/mapped", size, timeout_s)
+    reads = bool(maps) and cma_willing and all(reads_cookie_of(m) for r, m in enumerate(maps) if r != rank)
+    store.set(f"shmg/ok/{rank}", (b"1c" if reads else b"1") if maps else error.encode() or b"0")
     outcomes = store.gather("shmg/ok", size, timeout_s)
     unlink_segment(name)
-    if maps and all(v == b"1" for v in outcomes):
-        return ShmGroup(maps, rank, yields)
+    if maps and all(v.startswith(b"1") for v in outcomes):
+        return ShmGroup(maps, rank, yields, cma=all(v == b"1c" for v in outcomes))
     for m in maps or ([own] if own is not None else []):
         m.close()
     return None
