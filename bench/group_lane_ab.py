@@ -1,13 +1,15 @@
-"""Small all_reduces of 3 and 4 ranks on one host: this checkout against
+"""Collectives of 3 and 4 ranks on one host: this checkout against
 another, and MPICH through mpi4py, in alternating processes.
 
     git worktree add /tmp/old <rev>
     python bench/group_lane_ab.py --old /tmp/old --rounds 4 --out bench/results/group_lane_s29
+    python bench/group_lane_ab.py --old /tmp/old --collective all_gather --sizes 1M,4M --out DIR
 
 Each round runs, for each rank count, the same timing under the other
 checkout (PYTHONPATH), under this one, and under MPICH (mpiexec, no mpccs
-code in the processes), back to back. Timing: float32 sum all_reduce, out of
-place; per size 30 warm-up calls, then 20 blocks of K back-to-back calls
+code in the processes), back to back. Timing: float32 sum all_reduce (or
+--collective: reduce_scatter, all_gather, all_to_all; a size is the input
+of one rank), out of place; per size 30 warm-up calls, then 20 blocks of K back-to-back calls
 after a barrier (a training loop's calls come back to back), per-call time =
 the block's time / K on the slowest rank, median over the blocks. Writes
 report.md and rounds.json under --out.
@@ -35,16 +37,31 @@ def _calls_per_block(nbytes: int) -> int:
     return 50 if nbytes <= 1 << 10 else 20 if nbytes <= 16 << 10 else 10 if nbytes <= 64 << 10 else 5
 
 
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+
+
+def _collective() -> str:
+    return os.environ.get("GROUP_LANE_AB_COLLECTIVE", "all_reduce")
+
+
+def _out_count(name: str, count: int, world: int) -> int:
+    """The output's elements for an input of ``count``."""
+    return count // world if name == "reduce_scatter" else count * world if name == "all_gather" else count
+
+
 def _sizes() -> tuple:
     text = os.environ.get("GROUP_LANE_AB_SIZES")
     return tuple(int(x) for x in text.split(",")) if text else SIZES
 BLOCKS, WARMUP = 20, 30
 
 
-def _time_sizes(call, barrier, slowest) -> dict:
+def _time_sizes(call, barrier, slowest, world: int, algorithm=None) -> dict:
+    """Per size the median per-call time in us; with ``algorithm`` (a callable
+    giving the last call's), also "algorithm_<size>"."""
     res = {}
     for nbytes in _sizes():
-        send, out = np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32)
+        count = nbytes // 4 // world * world  # (a whole block per rank)
+        send, out = np.ones(count, np.float32), np.empty(_out_count(_collective(), count, world), np.float32)
         k = _calls_per_block(nbytes)
         for _ in range(WARMUP):
             call(send, out)
@@ -56,6 +73,8 @@ def _time_sizes(call, barrier, slowest) -> dict:
                 call(send, out)
             times[b] = (time.perf_counter() - t0) / k
         res[str(nbytes)] = float(np.median(slowest(times))) * 1e6
+        if algorithm is not None:
+            res[f"algorithm_{nbytes}"] = algorithm()
     return res
 
 
@@ -63,8 +82,9 @@ def rank_mpccs() -> None:
     import mpccs
 
     comm = mpccs.init()
-    res = _time_sizes(comm.all_reduce, comm.barrier,
-                      lambda t: comm.all_reduce(t, np.empty_like(t), op="max"))
+    res = _time_sizes(getattr(comm, _collective()), comm.barrier,
+                      lambda t: comm.all_reduce(t, np.empty_like(t), op="max"), comm.size,
+                      lambda: comm.last_stats()["algorithm"])
     x = np.ones(2, np.float32)
     comm.all_reduce(x, np.empty_like(x))
     res["algorithm_8"] = comm.last_stats()["algorithm"]
@@ -77,7 +97,9 @@ def rank_mpi() -> None:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    res = _time_sizes(comm.Allreduce, comm.Barrier, lambda t: _mpi_max(comm, t))
+    call = {"all_reduce": comm.Allreduce, "reduce_scatter": comm.Reduce_scatter_block,
+            "all_gather": comm.Allgather, "all_to_all": comm.Alltoall}[_collective()]
+    res = _time_sizes(call, comm.Barrier, lambda t: _mpi_max(comm, t), comm.size)
     if comm.rank == 0:
         print("RESULT " + json.dumps(res), flush=True)
 
@@ -110,10 +132,11 @@ def run_mpi(n: int) -> dict:
     return _result(proc)
 
 
-def report(rounds: list, old: str, worlds: tuple) -> list:
-    lines = [f"# Small all_reduces of 3 and 4 ranks: this checkout against {old}, and MPICH", "",
+def report(rounds: list, old: str, worlds: tuple, name: str = "all_reduce") -> list:
+    lines = [f"# {name} of 3 and 4 ranks: this checkout against {old}, and MPICH", "",
              "Per-call time in us, float32 sum, out of place, slowest rank, median of 20 blocks of back-to-back "
-             "calls; per round old / new / MPICH; then the medians of the rounds' ratios.", "",
+             "calls (a size: one rank's input); per round old / new / MPICH; then the medians of the rounds' "
+             "ratios.", "",
              "| ranks | size | " + " | ".join(f"round {k + 1}" for k in range(len(rounds)))
              + " | old / new | new / MPICH |", "|---|---|" + "---|" * len(rounds) + "---:|---:|"]
     for n in worlds:
@@ -123,6 +146,12 @@ def report(rounds: list, old: str, worlds: tuple) -> list:
             speedup = np.median([r[n]["old"][key] / r[n]["new"][key] for r in rounds])
             to_mpi = np.median([r[n]["new"][key] / r[n]["mpi"][key] for r in rounds])
             lines.append(f"| {n} | {size_text(nbytes)} | " + " | ".join(cells) + f" | {speedup:.2f} | {to_mpi:.2f} |")
+    for n in worlds:
+        old_new = [(size_text(b), rounds[0][n]["old"].get(f"algorithm_{b}"), rounds[0][n]["new"].get(f"algorithm_{b}"))
+                   for b in _sizes()]
+        if all(a is not None for _, a, _ in old_new):
+            lines.append(f"\n{n} ranks, algorithm per size (old -> new): "
+                         + ", ".join(f"{s} {a} -> {b}" for s, a, b in old_new))
     paths = {n: (rounds[0][n]["old"]["algorithm_8"], rounds[0][n]["new"]["algorithm_8"]) for n in worlds}
     lines += ["", "8-byte call's algorithm (old, new): "
               + ", ".join(f"{n} ranks {a} -> {b}" for n, (a, b) in paths.items())]
@@ -135,8 +164,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--ranks", default="3,4")
     ap.add_argument("--sizes", help="bytes per call, comma-separated (K and M suffixes); default 8 B-256 KiB")
+    ap.add_argument("--collective", choices=COLLECTIVES, default="all_reduce")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    os.environ["GROUP_LANE_AB_COLLECTIVE"] = args.collective
     worlds = tuple(int(n) for n in args.ranks.split(","))
     if args.sizes:
         units = {"K": 1 << 10, "M": 1 << 20}
@@ -148,7 +179,7 @@ def main() -> None:
         rounds.append({n: {"old": run_mpccs(args.old, n), "new": run_mpccs(new_path, n), "mpi": run_mpi(n)}
                        for n in worlds})
         print(f"# progress: {k + 1}/{args.rounds} rounds", flush=True)
-    write_rounds(args.out, args.old, rounds, report(rounds, args.old, worlds))
+    write_rounds(args.out, args.old, rounds, report(rounds, args.old, worlds, args.collective))
 
 
 if __name__ == "__main__":
