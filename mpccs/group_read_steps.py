@@ -15,12 +15,14 @@ a rank writes only its own:
 
 1. post the addresses of its input and output and the call's shape (the
    collective and the input's size), then POSTED = seq;
-2. once every peer posted the same shape: a reduction folds block r of every
-   rank's input in rank order, ((x0 op x1) op x2) ..., the group lane's and
-   the direct path's order, so the result is theirs bit for bit, reading each
-   peer's operand READ_PART_BYTES at a time; an all_gather reads each peer's
-   input into its place, an all_to_all each peer's block for this rank; then
-   REDUCED = seq ("my block is final, and I am done reading your input");
+2. once every peer posted the same shape: a reduction folds block r of
+   every rank's input in rank order, ((x0 op x1) op x2) ..., the group
+   lane's and the direct path's order, so the result is theirs bit for bit,
+   reading each peer's operand READ_PART_BYTES at a time; an all_gather reads
+   each peer's input into its place, an all_to_all each peer's block for
+   this rank, each peer's as soon as that peer posted (nothing waits on the
+   others); then REDUCED = seq ("my block is final, and I am done reading
+   your input");
 3. all_reduce only: from each peer whose REDUCED = seq, read that peer's
    block of its output into this rank's, then DONE = seq ("done reading your
    output");
@@ -79,7 +81,11 @@ class GroupReadSteps:
         self.shape = SHAPE_CODES[collective] << 56 | src.nbytes
         self.steps = ("reduce_scatter", "all_gather") if collective == "all_reduce" else (collective,)
         self.bounds = block_bounds(src.size, src.itemsize, group.size) if collective == "all_reduce" else None
-        self.waiting = list(group.peers)  # peers not at the flag the phase waits for
+        self.gathers = collective in ("all_gather", "all_to_all")  # read from each peer as it posts
+        # Peers in the order this rank reads them: from rank + 1 on, so that the ranks'
+        # reads spread over every rank's memory instead of all starting at one.
+        self.order = [(rank + k) % group.size for k in range(1, group.size)]
+        self.waiting = list(self.order)  # peers not at the flag the phase waits for
         self.peer_src, self.peer_out = {}, {}
         own = group.own_slots[self.slot]
         own[SLOT_SRC], own[SLOT_OUT], own[SLOT_SHAPE] = src.ctypes.data, out.ctypes.data, self.shape
@@ -105,11 +111,15 @@ class GroupReadSteps:
         """One non-blocking look at the peers' flags; True when a step moved."""
         moved = False
         if self.phase == PEERS_POSTED:
-            if not self._take_posted():
-                return False
+            posted = self._take_posted()
+            if self.gathers:  # each peer's block as it posts: nothing waits on the others
+                for peer in posted:
+                    self._place_from(peer)
+            if self.waiting:
+                return bool(posted)
             self._first_step()
             self.group.post_slot(self.slot, SLOT_REDUCED, self.seq)
-            self.phase, self.waiting, moved = PEERS_REDUCED, list(self.group.peers), True
+            self.phase, self.waiting, moved = PEERS_REDUCED, list(self.order), True
         if self.phase == PEERS_REDUCED:
             moved |= self._take_reduced()
             if self.waiting:
@@ -118,7 +128,7 @@ class GroupReadSteps:
                 self.phase = FINISHED
                 return True
             self.group.post_slot(self.slot, SLOT_DONE, self.seq)
-            self.phase, self.waiting = PEERS_DONE, list(self.group.peers)
+            self.phase, self.waiting = PEERS_DONE, list(self.order)
         if self.phase == PEERS_DONE:
             slots, seq = self.group.slots, self.seq
             self.waiting = [p for p in self.waiting if slots[p][self.slot, SLOT_DONE] != seq]
@@ -137,9 +147,9 @@ class GroupReadSteps:
         self.phase = FINISHED
 
     # -- the steps --------------------------------------------------------------
-    def _take_posted(self) -> bool:
-        """Note the buffers of each peer that posted this call; True once all have."""
-        slots, seq = self.group.slots, self.seq
+    def _take_posted(self) -> list:
+        """Note the buffers of each peer that posted this call since the last look; those peers."""
+        slots, seq, posted = self.group.slots, self.seq, []
         for peer in list(self.waiting):
             theirs = slots[peer][self.slot]
             if theirs[SLOT_POSTED] != seq:
@@ -149,7 +159,8 @@ class GroupReadSteps:
                                  f"({int(theirs[SLOT_SHAPE]):#x}, not {self.shape:#x})", self.step, peer)
             self.peer_src[peer], self.peer_out[peer] = int(theirs[SLOT_SRC]), int(theirs[SLOT_OUT])
             self.waiting.remove(peer)
-        return not self.waiting
+            posted.append(peer)
+        return posted
 
     def _first_step(self) -> None:
         src, out, rank, size = self.src, self.out, self.rank, self.group.size
@@ -159,17 +170,18 @@ class GroupReadSteps:
             self._fold(out[bounds[rank]:bounds[rank + 1]], bounds[rank])
         elif self.collective == "reduce_scatter":
             self._fold(out, rank * out.size)
-        elif self.collective == "all_gather":
+        elif self.collective == "all_gather":  # (the peers' blocks are in place: _place_from)
             n = src.size
-            for peer in self.group.peers:
-                self._read(out[peer * n:(peer + 1) * n], peer, self.peer_src[peer], SLOT_POSTED)
             self._copy_own(out[rank * n:(rank + 1) * n], src)
-        else:  # all_to_all: each peer's block for this rank
+        else:  # all_to_all
             n = out.size // size
-            for peer in self.group.peers:
-                self._read(out[peer * n:(peer + 1) * n], peer, self.peer_src[peer] + rank * n * itemsize,
-                           SLOT_POSTED)
             self._copy_own(out[rank * n:(rank + 1) * n], src[rank * n:(rank + 1) * n])
+
+    def _place_from(self, peer: int) -> None:
+        """An all_gather's or all_to_all's read of ``peer``'s block for this rank into its place."""
+        out, n = self.out, self.out.size // self.group.size
+        offset = 0 if self.collective == "all_gather" else self.rank * n * self.src.itemsize
+        self._read(out[peer * n:(peer + 1) * n], peer, self.peer_src[peer] + offset, SLOT_POSTED)
 
     def _fold(self, dest: np.ndarray, start: int) -> None:
         """dest = block [start, start + dest.size) of every rank's input folded in
