@@ -72,9 +72,9 @@ def _time_sizes(call, barrier, slowest, world: int, algorithm=None) -> dict:
             for _ in range(k):
                 call(send, out)
             times[b] = (time.perf_counter() - t0) / k
-        res[str(nbytes)] = float(np.median(slowest(times))) * 1e6
-        if algorithm is not None:
+        if algorithm is not None:  # (before slowest(), itself a call)
             res[f"algorithm_{nbytes}"] = algorithm()
+        res[str(nbytes)] = float(np.median(slowest(times))) * 1e6
     return res
 
 
