@@ -147,8 +147,7 @@ class CmaSteps:
         peer still reading then fails its check instead of taking what the caller
         may now write). Every read here was synchronous: nothing is left in flight."""
         if self.phase != FINISHED:
-            for word in (SLOT_POSTED, SLOT_REDUCED, SLOT_DONE):
-                self.pair.post_slot(self.slot, word, 0)
+            clear_slot(self.pair, self.slot)
         self.phase = FINISHED
 
     @property
@@ -211,6 +210,13 @@ class CmaSteps:
             raise self.error(what, self.step) from exc
         if self.pair.peer_slots[self.slot, word] != self.seq:
             raise self.error("the peer left the operation while this rank read its buffers", self.step)
+
+
+def clear_slot(segments, slot: int) -> None:
+    """A failed operation's slot, cleared (its steps' abandon): a peer reading
+    this rank's buffers on the strength of a step then fails its check."""
+    for word in (SLOT_POSTED, SLOT_REDUCED, SLOT_DONE):
+        segments.post_slot(slot, word, 0)
 
 
 def _blocks(collective: str, src: np.ndarray, out: np.ndarray, rank: int):

@@ -44,7 +44,7 @@ from typing import Callable
 
 import numpy as np
 
-from .cma_steps import READ_PART_BYTES, SHAPE_CODES
+from .cma_steps import READ_PART_BYTES, SHAPE_CODES, clear_slot
 from .errors import TransportError
 from .reduce import reduce_into
 from .transports import cma
@@ -142,8 +142,7 @@ class GroupReadSteps:
         peer still reading then fails its check instead of taking what the caller
         may now write). Every read here was synchronous: nothing is left in flight."""
         if self.phase != FINISHED:
-            for word in (SLOT_POSTED, SLOT_REDUCED, SLOT_DONE):
-                self.group.post_slot(self.slot, word, 0)
+            clear_slot(self.group, self.slot)
         self.phase = FINISHED
 
     # -- the steps --------------------------------------------------------------
@@ -164,7 +163,6 @@ class GroupReadSteps:
 
     def _first_step(self) -> None:
         src, out, rank, size = self.src, self.out, self.rank, self.group.size
-        itemsize = src.itemsize
         if self.collective == "all_reduce":
             bounds = self.bounds
             self._fold(out[bounds[rank]:bounds[rank + 1]], bounds[rank])

@@ -239,9 +239,10 @@ def test_ranks_that_sleep_at_once_still_meet_every_time(pool):
     assert sum(r[1] for r in results) > 0, results
 
 
-def one_rank_calls_another_size(comm):
-    """Rank 2 calls a larger all_reduce: every rank gets a MismatchError, and the communicator says it aborted."""
-    n = 4 if comm.rank != 2 else 5
+def one_rank_calls_another_size(comm, n=4, odd=2, extra=1):
+    """Rank ``odd`` calls an all_reduce of ``extra`` more elements than the others' ``n``:
+    every rank gets a MismatchError, and the communicator says it aborted."""
+    n += extra if comm.rank == odd else 0
     try:
         comm.all_reduce(np.ones(n, np.float32))
     except MismatchError as exc:

@@ -8,13 +8,14 @@ import os
 import numpy as np
 import pytest
 
-from mpccs.errors import MismatchError, TransportError
+from mpccs.errors import TransportError
 from mpccs.group_lane_ops import read_bytes, takes_group_reads
 from mpccs.group_read_steps import BLOCK_ALIGN_BYTES, GroupReadSteps, block_bounds
 from mpccs.transports import cma, shm
 from mpccs.transports.shm import SLOT_POSTED, WORD_PID
 from mpccs.transports.shm_group import ShmGroup, lane_bound, segment_bytes
 from rankpool import RankPool
+from test_group_lane import one_rank_calls_another_size
 
 pytestmark = pytest.mark.skipif(not (shm.supported() and cma.available()),
                                 reason="the group reads need x86-64, /dev/shm and process_vm_readv")
@@ -257,19 +258,10 @@ def test_a_late_rank_is_met_without_spinning(pool, late):
             assert slept and cpu < 0.2, results
 
 
-def one_rank_calls_another_size(comm):
-    n = (1 << 20) if comm.rank != 1 else (1 << 20) + 1024
-    try:
-        comm.all_reduce(np.ones(n, np.float32))
-    except MismatchError as exc:
-        return "mismatch", "operation #" in str(exc)
-    return "no error", False
-
-
 def test_a_size_mismatch_fails_every_rank_before_any_read():
     ranks = RankPool(3)
     try:
-        assert ranks.run(one_rank_calls_another_size, timeout=60) == [("mismatch", True)] * 3
+        assert ranks.run(one_rank_calls_another_size, 1 << 20, 1, 1024, timeout=60) == [("mismatch", True)] * 3
     finally:
         ranks.close()
 

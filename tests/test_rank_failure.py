@@ -44,34 +44,25 @@ def test_survivor_raises_naming_the_lost_rank(count, mode, trial):
     assert elapsed < 20  # the survivor exits on its own, well inside the launcher's grace period
 
 
-@pytest.mark.parametrize("trial", range(2))
-def test_every_survivor_of_a_group_lane_call_raises_naming_the_lost_rank(trial):
-    """3 ranks, 8 bytes through the group lane (group_lane_ops.py): ranks 0 and 2 wait
-    asleep for rank 1's entry; each raises within seconds, by its own liveness check
-    or by the other's abort, and refuses further use."""
-    p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "3", "--grace", "20", PROG, "2"],
-                       env=clean_env(), capture_output=True, text=True, timeout=60)
-    results = [line for line in p.stdout.splitlines() if "RESULT" in line and "RESULT aborted" not in line]
-    assert sorted(line.split("]")[0] for line in results) == ["[rank 0", "[rank 2"], p.stdout + p.stderr
-    for line in results:
-        seconds, kind = re.search(r"RESULT ([\d.]+) (\w+):", line).groups()
-        assert kind == "TransportError" and "rank(s) [1] are gone" in line and "direct lane" in line, line
-        assert float(seconds) < 10
-    assert sum("RESULT aborted" in line for line in p.stdout.splitlines()) == 2
+# 3 ranks: 8 bytes through the group lane (group_lane_ops.py: ranks 0 and 2 wait asleep for
+# rank 1's entry), 4 MiB read across processes (group_read_steps.py: rank 1 dies before it
+# calls, or inside the steps after it posted its buffers, while the others read them or wait
+# on its flags); two trials each.
+GROUP_CASES = [(count, mode, stage, trial) for count, mode, stage in
+               ((2, "", "direct lane"), (1 << 20, "", "group reads"), (1 << 20, "mid-steps", "group reads"))
+               for trial in range(2)]
 
 
-@pytest.mark.parametrize("mode,trial", [("", 0), ("", 1), ("mid-steps", 0), ("mid-steps", 1)])
-def test_every_survivor_of_a_group_reads_call_raises_naming_the_lost_rank(mode, trial):
-    """3 ranks, 4 MiB read across processes (group_read_steps.py): rank 1 dies before
-    it calls (the others wait to meet it) or inside the steps after it posted its
-    buffers (the others read them or wait on its flags): each survivor raises within
-    seconds naming it, and refuses further use."""
-    p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "3", "--grace", "20", PROG, str(1 << 20),
+@pytest.mark.parametrize("count,mode,stage,trial", GROUP_CASES)
+def test_every_survivor_of_a_group_call_raises_naming_the_lost_rank(count, mode, stage, trial):
+    """Each survivor raises within seconds, by its own liveness check or by the
+    other's abort, naming rank 1 and the stage, and refuses further use."""
+    p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "3", "--grace", "20", PROG, str(count),
                         *mode.split()], env=clean_env(), capture_output=True, text=True, timeout=60)
     results = [line for line in p.stdout.splitlines() if "RESULT" in line and "RESULT aborted" not in line]
     assert sorted(line.split("]")[0] for line in results) == ["[rank 0", "[rank 2"], p.stdout + p.stderr
     for line in results:
         seconds, kind = re.search(r"RESULT ([\d.]+) (\w+):", line).groups()
-        assert kind == "TransportError" and "rank(s) [1] are gone" in line and "group reads" in line, line
+        assert kind == "TransportError" and "rank(s) [1] are gone" in line and stage in line, line
         assert float(seconds) < 10
     assert sum("RESULT aborted" in line for line in p.stdout.splitlines()) == 2
