@@ -50,11 +50,11 @@ GROUP_LANE_COLLECTIVES = frozenset(("all_reduce", "barrier", "reduce_scatter", "
 _FOLDS = ("all_reduce", "barrier")
 
 
-def takes_group_lane(group, name: str, send: np.ndarray) -> bool:
+def takes_group_lane(group, name: str, nbytes: int) -> bool:
     """Whether a call of 3+ ranks goes through the group lane: the segments open
     (on every rank or none) and the input within their bound (shm_group.lane_bound;
-    a rank-independent size: a broadcast's buffer on every rank)."""
-    return group is not None and name in GROUP_LANE_COLLECTIVES and send.nbytes <= group.lane_bytes
+    ``nbytes``: the input's, a rank-independent size: a broadcast's buffer on every rank)."""
+    return group is not None and name in GROUP_LANE_COLLECTIVES and nbytes <= group.lane_bytes
 
 
 def published(name: str, send: np.ndarray, rank: int, root) -> np.ndarray:

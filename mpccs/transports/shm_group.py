@@ -17,8 +17,9 @@ FLAG_WAITING (the operation for which the owner stopped polling and sleeps
 until a peer rings: shm.py), the fingerprint ring (as shm.py's: entry seq %
 FP_RING holds the fingerprint's two words, then seq, written last), and the
 taken table: word TAKEN_AT + j x LANE_SLOTS + k holds the last operation
-whose payload in rank j's slot k the owner read. A rank writes slot k again
-only once every peer's entry for it reached what the slot holds (lane_free).
+whose payload in rank j's slot k the owner read (its own slot too). A rank
+writes slot k again only once every rank's entry for it, its own included,
+reached what the slot holds (lane_free).
 Words WORD_PID, WORD_COOKIE, WORD_COOKIE_AT (as shm.py's) hold the owner's
 pid and what the set-up's cross-memory read tries; from READS_AT, the reads'
 slot table (group_read_steps.py): SLOTS slots of SLOT_WORDS words, shm.py's
@@ -109,11 +110,15 @@ class ShmGroup:
 
     # -- this rank's side ---------------------------------------------------
     def lane_free(self, seq: int) -> bool:
-        """Whether operation ``seq``'s slot may be written: empty, or its payload read by every peer."""
+        """Whether operation ``seq``'s slot may be written: empty, or its payload read
+        by every rank, this one included: a reduction takes its own operand from its
+        own slot (group_lane_ops.combine), and an async call posted while this rank's
+        earlier call in the same slot had not combined yet overwrote that operand
+        (a 3-rank sum read 5 where 3 was due, 1 in ~15 runs of the async test)."""
         slot = seq % LANE_SLOTS
         held = self.own[self._meta_at + slot * self._slot_words]
         taken = TAKEN_AT + self.rank * LANE_SLOTS + slot
-        return held == 0 or all(self.words[p][taken] >= held for p in self.peers)
+        return held == 0 or all(words[taken] >= held for words in self.words)
 
     def slot_view(self, owner: int, seq: int, dtype, count: int) -> np.ndarray:
         """Rank ``owner``'s slot for operation ``seq`` as ``count`` elements of ``dtype``."""
@@ -155,10 +160,10 @@ class ShmGroup:
         self._fence_stores()
 
     def lane_taken(self, seq: int) -> None:
-        """Tell every peer this rank read its payload of ``seq`` (no fence: x86-64
-        never shows a store before the loads ahead of it)."""
+        """Tell every rank, this one included, that this rank read its payload of
+        ``seq`` (no fence: x86-64 never shows a store before the loads ahead of it)."""
         own, slot = self.own, seq % LANE_SLOTS
-        for p in self.peers:
+        for p in range(self.size):
             own[TAKEN_AT + p * LANE_SLOTS + slot] = seq
 
     # -- the peers' ---------------------------------------------------------
