@@ -1,5 +1,7 @@
 """The group lane: a collective of a 3- to 8-rank job on one host whose input
-is within shm_group.lane_bound (1 MiB on 3 ranks, 680 KiB on 4), whole
+is within shm_group.lane_bound (1 MiB on 3 ranks, 680 KiB on 4; a
+reduce_scatter's, all_gather's, all_to_all's: shm_group.blocks_bound, 4 MiB
+and 2.67 MiB), whole
 through segments every rank maps (transports/shm_group.py): the N-rank form
 of the 2-rank lane (lane_ops.py).
 
@@ -44,17 +46,31 @@ from .windows import UP
 
 # The group reads' largest input (takes_group_reads).
 GROUP_READS_MAX_BYTES = 256 << 20
+# An all_to_all's rank copies its whole input into its slot and reads one block of each peer's, so
+# against the reads (one block of each peer's, across processes) its margin is the thinnest: lane /
+# reads 1.11-1.46x at 1-2 MiB, 0.82-0.97x at 3-4 MiB on 3 ranks (bench/results/group_reads_s30/lane_blocks_ab/).
+GROUP_ALL_TO_ALL_LANE_BYTES = 2 << 20
 
 GROUP_LANE_COLLECTIVES = frozenset(("all_reduce", "barrier", "reduce_scatter", "all_gather", "all_to_all",
                                     "broadcast", "reduce"))
 _FOLDS = ("all_reduce", "barrier")
+_BLOCKS = ("reduce_scatter", "all_gather", "all_to_all")
 
 
 def takes_group_lane(group, name: str, nbytes: int) -> bool:
     """Whether a call of 3+ ranks goes through the group lane: the segments open
-    (on every rank or none) and the input within their bound (shm_group.lane_bound;
+    (on every rank or none) and the input within their bound (lane_bound_of;
     ``nbytes``: the input's, a rank-independent size: a broadcast's buffer on every rank)."""
-    return group is not None and name in GROUP_LANE_COLLECTIVES and nbytes <= group.lane_bytes
+    return group is not None and name in GROUP_LANE_COLLECTIVES and nbytes <= lane_bound_of(group, name)
+
+
+def lane_bound_of(group, name: str) -> int:
+    """The group lane's largest input for collective ``name``: a reduce_scatter's, all_gather's or
+    all_to_all's (ranks take blocks of each other's slots) is the larger (transports/shm_group.py),
+    an all_to_all's at most GROUP_ALL_TO_ALL_LANE_BYTES."""
+    if name == "all_to_all":
+        return min(GROUP_ALL_TO_ALL_LANE_BYTES, group.blocks_bytes)
+    return group.blocks_bytes if name in _BLOCKS else group.lane_bytes
 
 
 def published(name: str, send: np.ndarray, rank: int, root) -> np.ndarray:
@@ -239,7 +255,7 @@ def takes_group_reads(group, name: str, nbytes: int) -> bool:
     of GROUP_READ_COLLECTIVES and its input above the group lane's bound, up
     to GROUP_READS_MAX_BYTES (``nbytes``: the input's, the same on every rank)."""
     return (group is not None and group.cma and name in GROUP_READ_COLLECTIVES
-            and group.lane_bytes < nbytes <= GROUP_READS_MAX_BYTES)
+            and lane_bound_of(group, name) < nbytes <= GROUP_READS_MAX_BYTES)
 
 
 class GroupReadsOp(GroupMeeting, DirectShmAllReduceOp):

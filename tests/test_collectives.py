@@ -14,7 +14,7 @@ from collective_cases import (DTYPES, REDUCING, check, dtype_of, expected_output
                               make_input, output_size)
 from mpccs.algorithms import ALGORITHMS
 from mpccs.transports import shm
-from mpccs.transports.shm_group import lane_bound
+from mpccs.transports.shm_group import blocks_bound, lane_bound
 from pairwise import all_pairs
 from rankpool import RankPool
 
@@ -294,14 +294,16 @@ def direct_all_gather_paths(comm):
 GATHER_BOUND = ((1 << 20) - 4, 1 << 20)
 
 
-def _small_path(world: str, nbytes: int) -> str:
+def _small_path(world: str, nbytes: int, blocks: bool = False) -> str:
     """Where a small or medium direct call whose ranks each publish ``nbytes`` at
     most runs (where the segments open: x86-64 with /dev/shm): 2 ranks on one
     host take the lane (lane_ops.py), 3 to 8 the group lane within its bound
-    (group_lane_ops.py), else messages."""
+    (group_lane_ops.py; ``blocks``: a reduce_scatter's, all_gather's or
+    all_to_all's, the larger), else messages."""
     if not shm.supported():
         return "direct"
-    return "direct_lane" if world == "2" or nbytes <= lane_bound(int(world)) else "direct"
+    bound = (blocks_bound if blocks else lane_bound)(int(world))
+    return "direct_lane" if world == "2" or nbytes <= bound else "direct"
 
 
 @pytest.mark.parametrize("world", ["2", "3"])
@@ -346,10 +348,14 @@ def test_reduce_scatter_and_all_to_all_direct_paths(pools, world):
     for r in pools(world).run(direct_block_paths):
         for kind in ("rs", "rs_in_place", "a2a"):
             for case in ("empty", "small", "medium", "largest"):
-                # The largest blocks' input (3 MiB on 3 ranks) is above the group lane's bound: read
-                # across processes where the group may (group_read_steps.py), else the direct messages.
-                largest = "group_reads" if r["group_reads"] else "direct"
-                path = largest if case == "largest" else _small_path(world, SMALL_BLOCKS[case] * 4 * int(world))
+                # The largest blocks (3 MiB of input on 3 ranks): a reduce_scatter within the group
+                # lane's bound for blocks (4 MiB), an all_to_all above its own (2 MiB: read across
+                # processes where the group may); on 2 ranks the direct messages.
+                largest = "direct" if world == "2" else _small_path(world, GATHER_BOUND[0] * 3, blocks=True)
+                if world == "3" and kind == "a2a":
+                    largest = "group_reads" if r["group_reads"] else "direct"
+                path = largest if case == "largest" else _small_path(world, SMALL_BLOCKS[case] * 4 * int(world),
+                                                                     blocks=True)
                 assert r[kind, case] == (True, path), (kind, case, r[kind, case])
             assert r[kind, "above"][0] and r[kind, "above"][1] != "direct", (kind, r[kind, "above"])
 

@@ -9,7 +9,7 @@ import pytest
 from mpccs.errors import MismatchError
 from mpccs.group_lane_ops import combine, published, takes_group_lane
 from mpccs.transports import shm
-from mpccs.transports.shm_group import GROUP_LANE_MAX_BYTES, ShmGroup, lane_bound, segment_bytes
+from mpccs.transports.shm_group import GROUP_LANE_MAX_BYTES, ShmGroup, blocks_bound, lane_bound, segment_bytes
 from rankpool import RankPool
 from test_lane import always_sleeping
 
@@ -94,6 +94,14 @@ def test_what_a_rank_publishes_and_the_bound():
     assert lane_bound(3) == GROUP_LANE_MAX_BYTES and lane_bound(8) == 292 << 10
     assert takes_group_lane(group, "all_reduce", group.lane_bytes)
     assert not takes_group_lane(group, "all_reduce", group.lane_bytes + 1)
+    # A reduce_scatter, all_gather or all_to_all takes blocks of each slot: the larger bound, the slots' size.
+    assert group.blocks_bytes == blocks_bound(4) == 2728 << 10 and blocks_bound(3) == 4 << 20
+    assert group.slot_view(1, 1, np.uint8, group.blocks_bytes).nbytes == group.blocks_bytes
+    for name in ("reduce_scatter", "all_gather"):
+        assert takes_group_lane(group, name, group.blocks_bytes)
+        assert not takes_group_lane(group, name, group.blocks_bytes + 1)
+    assert takes_group_lane(group, "all_to_all", 2 << 20) and not takes_group_lane(group, "all_to_all", (2 << 20) + 1)
+    assert not takes_group_lane(group, "broadcast", group.lane_bytes + 1)
     assert not takes_group_lane(group, "all_to_allv", send.nbytes)
     assert not takes_group_lane(None, "all_reduce", send.nbytes)
 
@@ -202,12 +210,13 @@ def at_the_bound(comm):
     """Inputs of exactly the bound, for the collectives whose DAG plans would otherwise
     claim them (an all_gather's last stage, a broadcast's whole buffer): rows of
     (collective, algorithm, right)."""
-    n, rows = lane_bound(comm.size) // 4, []
+    n, rows = blocks_bound(comm.size) // 4, []
     mine = np.full(n, comm.rank + 1.0, np.float32)
     gathered = np.empty(n * comm.size, np.float32)
     comm.all_gather(mine, gathered)
     rows.append(("all_gather", comm.last_stats()["algorithm"], bool((gathered[::n] == np.arange(1, comm.size + 1)).all())))
-    buf = mine.copy()
+    n = lane_bound(comm.size) // 4
+    buf = np.full(n, comm.rank + 1.0, np.float32)
     comm.broadcast(buf, root=1)
     rows.append(("broadcast", comm.last_stats()["algorithm"], bool((buf == 2.0).all())))
     return rows
@@ -294,7 +303,7 @@ def four_ranks(comm):
     comm.all_reduce(x)
     y = np.empty(4, np.int32)
     comm.all_gather(np.array([comm.rank * 10], np.int32), y)
-    rows = at_the_bound(comm)  # 680 KiB: an all_gather the DAG's recursive doubling took, 12x slower
+    rows = at_the_bound(comm)  # (680 KiB: an all_gather the DAG's recursive doubling took, 12x slower)
     return comm.last_stats()["algorithm"], x.tolist(), y.tolist(), rows
 
 

@@ -13,7 +13,7 @@ from mpccs.group_lane_ops import read_bytes, takes_group_reads
 from mpccs.group_read_steps import BLOCK_ALIGN_BYTES, GroupReadSteps, block_bounds
 from mpccs.transports import cma, shm
 from mpccs.transports.shm import SLOT_POSTED, WORD_PID
-from mpccs.transports.shm_group import ShmGroup, lane_bound, segment_bytes
+from mpccs.transports.shm_group import ShmGroup, blocks_bound, lane_bound, segment_bytes
 from rankpool import RankPool
 from test_group_lane import one_rank_calls_another_size
 
@@ -152,10 +152,12 @@ def test_a_peer_that_abandons_while_read_fails_the_reader(monkeypatch):
 
 def test_which_calls_take_the_reads_and_what_they_read():
     class Group:
-        cma, lane_bytes = True, lane_bound(4)
+        cma, lane_bytes, blocks_bytes = True, lane_bound(4), blocks_bound(4)
     bound = lane_bound(4)
     assert not takes_group_reads(Group, "all_reduce", bound)  # the group lane's
     assert takes_group_reads(Group, "all_reduce", bound + 4)
+    assert not takes_group_reads(Group, "all_gather", bound + 4)  # the lane's larger bound for blocks
+    assert takes_group_reads(Group, "all_gather", blocks_bound(4) + 4)
     assert not takes_group_reads(Group, "broadcast", 8 << 20)
     Group.cma = False
     assert not takes_group_reads(Group, "all_reduce", 8 << 20)
@@ -170,7 +172,8 @@ def every_collective_read(comm):
     allows, against numpy folded in rank order: rows of (case, algorithm, bit-exact)."""
     rank, size, rows = comm.rank, comm.size, []
     for dtype, op in ((np.float32, "sum"), (np.int16, "max"), (np.float64, "min")):
-        n = lane_bound(size) // np.dtype(dtype).itemsize // size + 1001  # blocks not page-sized
+        # Above the lane's larger bound (a reduce_scatter's, all_gather's, all_to_all's), blocks not page-sized.
+        n = blocks_bound(size) // np.dtype(dtype).itemsize // size + 1001
         rng = np.random.default_rng(11)
         ins = [(rng.standard_normal(size * n) * 1000).astype(dtype) for _ in range(size)]
         mine = ins[rank].copy()
@@ -270,9 +273,10 @@ def four_ranks_reads(comm):
     n = 3 << 20
     x = np.full(n // 4, comm.rank + 0.5, np.float64)
     comm.all_reduce(x)
-    y = np.empty(4 * (1 << 18), np.int32)
-    comm.all_gather(np.full(1 << 18, comm.rank * 10, np.int32), y)
-    return comm._group.cma, comm.last_stats()["algorithm"], float(x[0]), y[::1 << 18].tolist()
+    m = 3 << 18  # 3 MiB: above the lane's bound for blocks on 4 ranks (2.67 MiB)
+    y = np.empty(4 * m, np.int32)
+    comm.all_gather(np.full(m, comm.rank * 10, np.int32), y)
+    return comm._group.cma, comm.last_stats()["algorithm"], float(x[0]), y[::m].tolist()
 
 
 def test_four_ranks_and_fingerprints_off():

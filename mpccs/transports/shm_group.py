@@ -12,7 +12,7 @@ others' slots: 1.9-4.9x faster.
 Layout of each rank's segment: a header page of int64 words, each written by
 its owner only, then LANE_SLOTS slots, each LANE_META_BYTES of meta words (the
 payload's operation sequence number and byte count) and then room for the
-lane's bound (lane_bound: it depends on the number of ranks). Header words:
+lane's larger bound (blocks_bound: it depends on the number of ranks). Header words:
 FLAG_WAITING (the operation for which the owner stopped polling and sleeps
 until a peer rings: shm.py), the fingerprint ring (as shm.py's: entry seq %
 FP_RING holds the fingerprint's two words, then seq, written last), and the
@@ -57,25 +57,38 @@ FP_RING_AT, FP_RING, FP_WORDS = 16, 32, 3  # header words [16, 112)
 LANE_SLOTS = 2  # a rank one operation ahead of the slowest peer need not wait to post
 TAKEN_AT = FP_RING_AT + FP_RING * FP_WORDS  # [112, 112 + 8 x 2)
 READS_AT = 128  # the reads' slot table: header words [128, 128 + 32 x 8)
-# The largest input a rank publishes (group_lane_ops.takes_group_lane): every rank reads every
-# other's, (N - 1) x the input, at most GROUP_LANE_BUDGET_BYTES a call (as the direct path's medium
-# messages: comm.DIRECT_MEDIUM_BUDGET) and at most GROUP_LANE_MAX_BYTES: 1 MiB on 3 ranks, 680 KiB on
-# 4, 292 KiB on 8. Slots hold the bound, so a process maps 2 x the bound per rank. Against the direct
+# The largest input a rank publishes (group_lane_ops.takes_group_lane) for an all_reduce, broadcast,
+# reduce or barrier: every rank reads and folds every other's whole input, (N - 1) x the input, at
+# most GROUP_LANE_BUDGET_BYTES a call (as the direct path's medium messages: comm.DIRECT_MEDIUM_BUDGET)
+# and at most GROUP_LANE_MAX_BYTES: 1 MiB on 3 ranks, 680 KiB on 4, 292 KiB on 8. Against the direct
 # path, 3 ranks: 2.9x at 512 KiB, 2.0x at 1 MiB; 4 ranks: 2.9x at 512 KiB, 0.74x at 1 MiB, which this
 # budget leaves to the direct path (bench/results/group_lane_bound_s29/).
 GROUP_LANE_MAX_BYTES = 1 << 20
 GROUP_LANE_BUDGET_BYTES = 2 << 20
+# ... and for a reduce_scatter, all_gather or all_to_all, whose ranks take one block of each peer's
+# slot (all_gather: all of it, as it must), the larger bound min(4 MiB, 8 MiB / (N - 1)): 4 MiB on 3
+# ranks, 2.67 MiB on 4, 1.14 MiB on 8. Against reading the blocks across processes (the group reads,
+# ~9 GB/s a reader here against 35-41 for a copy in one process), the lane at 1-2 MiB on 4 ranks:
+# all_gather 1.35-2.0x, all_to_all 1.6-2.1x, reduce_scatter 1.1-2.2x; at 3-4 MiB on 3 ranks 1.04-1.39x
+# (bench/results/group_reads_s30/lane_blocks_ab/). Slots hold this bound: a process maps 2 x it per rank.
+GROUP_BLOCKS_MAX_BYTES = 4 << 20
+GROUP_BLOCKS_BUDGET_BYTES = 8 << 20
 LANE_META_BYTES = 64
 LANE_AT = HEADER_BYTES
 
 
 def lane_bound(size: int) -> int:
-    """The group lane's largest input on ``size`` ranks (a multiple of the page size)."""
+    """The group lane's largest all_reduce (broadcast, reduce) input on ``size`` ranks (a multiple of the page size)."""
     return min(GROUP_LANE_MAX_BYTES, GROUP_LANE_BUDGET_BYTES // (size - 1) // 4096 * 4096)
 
 
+def blocks_bound(size: int) -> int:
+    """The group lane's largest reduce_scatter, all_gather or all_to_all input on ``size`` ranks: its slots' size."""
+    return min(GROUP_BLOCKS_MAX_BYTES, GROUP_BLOCKS_BUDGET_BYTES // (size - 1) // 4096 * 4096)
+
+
 def segment_bytes(size: int) -> int:
-    return LANE_AT + LANE_SLOTS * (LANE_META_BYTES + lane_bound(size))
+    return LANE_AT + LANE_SLOTS * (LANE_META_BYTES + blocks_bound(size))
 
 
 class ShmGroup:
@@ -86,8 +99,9 @@ class ShmGroup:
     def __init__(self, maps: list, rank: int, yields: bool = False, cma: bool = False):
         self._maps = maps
         self.rank, self.size, self.yields, self.cma = rank, len(maps), yields, cma
-        self.lane_bytes = lane_bound(self.size)  # the largest input a rank publishes
-        slot_bytes = LANE_META_BYTES + self.lane_bytes
+        self.lane_bytes = lane_bound(self.size)  # the largest all_reduce input a rank publishes
+        self.blocks_bytes = blocks_bound(self.size)  # ... reduce_scatter, all_gather, all_to_all input
+        slot_bytes = LANE_META_BYTES + self.blocks_bytes
         # Slot k's meta words, as int64 words of a segment: from _meta_at + k x _slot_words.
         self._meta_at, self._slot_words = LANE_AT // 8, slot_bytes // 8
         self.peers = tuple(r for r in range(self.size) if r != rank)
