@@ -126,6 +126,20 @@ def init_without_segments_on_rank1(kwargs):
     return mpccs.init(shm=os.environ["RANK"] != "1", **kwargs)
 
 
+def init_without_room_on_rank1(kwargs):
+    """Rank 1's /dev/shm has no room for its segment (posix_fallocate: ENOSPC)."""
+    import errno
+    import os
+
+    import mpccs
+
+    if os.environ["RANK"] == "1":
+        def no_room(fd, offset, length):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        os.posix_fallocate = no_room
+    return mpccs.init(**kwargs)
+
+
 def small_call_without_group(comm):
     x = np.array([comm.rank + 1.0], np.float64)
     comm.all_reduce(x)
@@ -135,6 +149,14 @@ def small_call_without_group(comm):
 def test_one_unwilling_rank_leaves_every_rank_on_messages():
     """shm off on rank 1 only: no rank uses the group (all or none), and calls still agree."""
     ranks = RankPool(3, setup=init_without_segments_on_rank1)
+    try:
+        assert ranks.run(small_call_without_group) == [(True, "direct", [6.0])] * 3
+    finally:
+        ranks.close()
+
+
+def test_one_rank_without_room_for_its_segment_leaves_every_rank_on_messages():
+    ranks = RankPool(3, setup=init_without_room_on_rank1)
     try:
         assert ranks.run(small_call_without_group) == [(True, "direct", [6.0])] * 3
     finally:

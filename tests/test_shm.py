@@ -134,6 +134,18 @@ def test_one_unwilling_rank_closes_them_on_both():
         pool.close()
 
 
+def test_a_dev_shm_without_room_fails_at_creation_and_leaves_no_file(monkeypatch):
+    """The pages are reserved up front: no room is an OSError here, not a SIGBUS on first touch."""
+    import errno
+
+    def no_room(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    with pytest.raises(OSError, match="No space"):
+        shm.create_segment("mpccs-noroom", 1 << 20)
+    assert not [f for f in os.listdir(shm.SHM_DIR) if f.startswith(f"mpccs-noroom-{os.getpid()}-")]
+
+
 def test_three_ranks_have_no_pair_segments_and_yield_at_once_where_cores_are_fewer():
     pool = RankPool(3)
     try:

@@ -270,12 +270,17 @@ def _lane_box(segment: mmap.mmap) -> np.ndarray:
 
 
 def create_segment(prefix: str, nbytes: int) -> tuple[str, mmap.mmap]:
-    """A new segment of ``nbytes`` in /dev/shm under a name of this process's own, mapped."""
+    """A new segment of ``nbytes`` in /dev/shm under a name of this process's own,
+    mapped. Its pages are reserved first (posix_fallocate): a /dev/shm too small
+    for them (containers often get 64 MiB) then fails here with ENOSPC, and the
+    ranks go on without the segments, instead of a SIGBUS when a page is first
+    touched (the set-up touches every page)."""
     name = f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, nbytes)
+        os.posix_fallocate(fd, 0, nbytes)
         return name, mmap.mmap(fd, nbytes)
     except BaseException:
         os.unlink(path)
