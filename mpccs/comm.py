@@ -759,8 +759,8 @@ class Communicator:
         direct path's small bound would otherwise go by that path's own rules, which
         sent a 4-rank all_gather of 640 KiB to the DAG (its last stage sends 1.25 MiB):
         3.2-4.0 ms against 0.4-0.6 for MPICH."""
-        nbytes = block_bytes if collective == "all_gather" else call_bytes  # the input
-        return self._policy in (UP, "adaptive") and takes_group_lane(self._group, collective, nbytes)
+        return self._policy in (UP, "adaptive") and takes_group_lane(
+            self._group, collective, _input_bytes(collective, block_bytes, call_bytes))
 
     def _direct_medium(self, collective: str, count: int, itemsize: int, call_bytes: int, root=None) -> bool:
         """Where the DAG would send every byte on the control plane, unprotected:
@@ -794,7 +794,7 @@ class Communicator:
         A testbed whose 'up' is a network has no segments, so its calls stay the
         controller's. The same answer on every rank (configuration and call only)."""
         if self._group_reads():
-            return takes_group_reads(self._group, collective, block_bytes if collective == "all_gather" else call_bytes)
+            return takes_group_reads(self._group, collective, _input_bytes(collective, block_bytes, call_bytes))
         if not self._pair_reads():
             return False
         if collective == "all_reduce":
@@ -1179,6 +1179,11 @@ def _block_bytes(collective: str, send: np.ndarray, out: np.ndarray, world: int)
     if collective == "reduce_scatter":
         return out.nbytes
     return send.nbytes // world if collective == "all_to_all" else send.nbytes
+
+
+def _input_bytes(collective: str, block_bytes: int, call_bytes: int) -> int:
+    """A rank's input from _direct's sizes: an all_gather's is its block, every other's the call's size."""
+    return block_bytes if collective == "all_gather" else call_bytes
 
 
 def _hashable(value):

@@ -2,6 +2,7 @@
 collectives of 3 to 8 ranks on one host whole through segments every rank
 maps, folded in rank order like the direct path."""
 import mmap
+import os
 
 import numpy as np
 import pytest
@@ -9,9 +10,10 @@ import pytest
 from mpccs.errors import MismatchError
 from mpccs.group_lane_ops import combine, published, takes_group_lane
 from mpccs.transports import shm
+from mpccs.transports.shm import WORD_PID
 from mpccs.transports.shm_group import GROUP_LANE_MAX_BYTES, ShmGroup, blocks_bound, lane_bound, segment_bytes
 from rankpool import RankPool
-from test_lane import always_sleeping
+from test_lane import always_sleeping, late_peer
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory segments need x86-64 and /dev/shm")
 
@@ -26,9 +28,13 @@ def pool():
 
 
 # -- the protocol, every rank in this process ---------------------------------
-def _groups(size=3):
+def groups_here(size=3, cma=False):
+    """``size`` ranks' segments in this process (anonymous maps), each naming this
+    process as its owner (``cma``: the reads, which may read this process's own memory)."""
     maps = [mmap.mmap(-1, segment_bytes(size)) for _ in range(size)]
-    return [ShmGroup(maps, r) for r in range(size)]
+    for m in maps:
+        np.ndarray(1, np.int64, m, WORD_PID * 8)[0] = os.getpid()
+    return [ShmGroup(maps, r, cma=cma) for r in range(size)]
 
 
 def _post(group, seq, values, words=WORDS):
@@ -38,7 +44,7 @@ def _post(group, seq, values, words=WORDS):
 
 
 def test_every_peer_is_met_only_with_the_same_words_and_byte_count():
-    g0, g1, g2 = _groups()
+    g0, g1, g2 = groups_here()
     counts = (8, 8, 8)
     _post(g0, 1, np.arange(2, dtype=np.float32))
     _post(g1, 1, np.arange(2, dtype=np.float32))
@@ -46,7 +52,7 @@ def test_every_peer_is_met_only_with_the_same_words_and_byte_count():
     _post(g2, 1, np.arange(2, dtype=np.float32), words=(0x1234, 5))
     assert g0.peer_fingerprint(2, 1) is not None and not g0.met_all(1, counts, WORDS, spin_s=0.0)  # words differ
     assert not g2.met_all(1, (8, 8, 4), (0x1234, 5), spin_s=0.0)
-    h0, h1, h2 = _groups()
+    h0, h1, h2 = groups_here()
     for g in (h0, h1, h2):
         _post(g, 1, np.arange(2, dtype=np.float32))
     assert all(g.met_all(1, counts, WORDS, spin_s=0.0) for g in (h0, h1, h2))
@@ -56,7 +62,7 @@ def test_every_peer_is_met_only_with_the_same_words_and_byte_count():
 
 
 def test_a_slot_is_written_again_only_after_every_rank_read_it():
-    g0, g1, g2 = _groups()
+    g0, g1, g2 = groups_here()
     _post(g0, 1, np.ones(4, np.int32))
     _post(g0, 2, np.ones(4, np.int32))  # the other slot
     assert not g0.lane_free(3)  # slot 1 holds operation 1, read by nobody
@@ -89,7 +95,7 @@ def test_what_a_rank_publishes_and_the_bound():
     assert published("broadcast", send, 1, root=0).size == 0
     assert published("broadcast", send, 0, root=0) is send
     assert published("reduce", send, 1, root=0) is send
-    group = _groups(4)[0]
+    group = groups_here(4)[0]
     assert group.lane_bytes == lane_bound(4) == 680 << 10  # 2 MiB read from 3 peers at most, in pages
     assert lane_bound(3) == GROUP_LANE_MAX_BYTES and lane_bound(8) == 292 << 10
     assert takes_group_lane(group, "all_reduce", group.lane_bytes)
@@ -185,19 +191,7 @@ def every_small_collective(comm):
         in_place = mine.copy()
         comm.all_reduce(in_place, op="max", async_op=True).wait()
         row(("all_reduce in place async max",), in_place, np.maximum.reduce(ins))
-        block = np.empty(n, dtype)
-        comm.reduce_scatter(mine, block)
-        row(("reduce_scatter",), block, total[rank * n:(rank + 1) * n])
-        gathered = np.empty(size * size * n, dtype)
-        comm.all_gather(mine, gathered, async_op=True).wait()
-        row(("all_gather async",), gathered, np.concatenate(ins))
-        gathered = np.zeros(size * size * n, dtype)
-        gathered[rank * size * n:(rank + 1) * size * n] = mine
-        comm.all_gather(gathered[rank * size * n:(rank + 1) * size * n], gathered)
-        row(("all_gather in place",), gathered, np.concatenate(ins))
-        swapped = np.empty_like(mine)
-        comm.all_to_all(mine, swapped)
-        row(("all_to_all",), swapped, np.concatenate([x[rank * n:(rank + 1) * n] for x in ins]))
+        block_collective_rows(comm, ins, total, n, row)
         for root in range(size):
             buf = mine.copy()
             comm.broadcast(buf, root=root)
@@ -208,6 +202,26 @@ def every_small_collective(comm):
         comm.barrier()
         row(("barrier",), 0, 0)
     return rows
+
+
+def block_collective_rows(comm, ins, total, n, row, op="sum"):
+    """reduce_scatter, all_gather (async, and in place) and all_to_all of ``ins[rank]``
+    (``size`` x ``n`` elements) against numpy: ``row(case, got, expected)`` for each."""
+    rank, size = comm.rank, comm.size
+    mine, dtype = ins[rank].copy(), ins[rank].dtype
+    block = np.empty(n, dtype)
+    comm.reduce_scatter(mine, block, op=op)
+    row(("reduce_scatter",), block, total[rank * n:(rank + 1) * n])
+    gathered = np.empty(size * size * n, dtype)
+    comm.all_gather(mine, gathered, async_op=True).wait()
+    row(("all_gather async",), gathered, np.concatenate(ins))
+    gathered = np.zeros(size * size * n, dtype)
+    gathered[rank * size * n:(rank + 1) * size * n] = mine
+    comm.all_gather(gathered[rank * size * n:(rank + 1) * size * n], gathered)
+    row(("all_gather in place",), gathered, np.concatenate(ins))
+    swapped = np.empty_like(mine)
+    comm.all_to_all(mine, swapped)
+    row(("all_to_all",), swapped, np.concatenate([x[rank * n:(rank + 1) * n] for x in ins]))
 
 
 def test_every_small_collective_takes_the_group_lane_and_matches_numpy(pool):
@@ -263,23 +277,9 @@ def test_async_calls_in_flight_take_the_slots_in_turn(pool):
     assert pool.run(async_calls_in_flight) == [expected] * 3
 
 
-def late_rank(comm, late):
-    """``late`` comes 0.3 s late: the others sleep on their planes' events and it rings them."""
-    import time
-
-    x = np.full(2, comm.rank + 1.0, np.float32)
-    comm.barrier()
-    if comm.rank == late:
-        time.sleep(0.3)
-    cpu = time.process_time()
-    comm.all_reduce(x)
-    stats = comm.last_stats()
-    return time.process_time() - cpu, stats["algorithm"], stats["slept_for_peer"], stats["rang_peer"], x.tolist()
-
-
 @pytest.mark.parametrize("late", [0, 2])
 def test_a_late_rank_is_met_without_spinning(pool, late):
-    results = pool.run(late_rank, late)
+    results = pool.run(late_peer, late)
     for rank, (cpu, algorithm, slept, rang, values) in enumerate(results):
         assert (algorithm, values) == ("direct_lane", [6.0, 6.0])
         if rank == late:

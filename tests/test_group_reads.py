@@ -2,8 +2,6 @@
 reduce_scatter, all_gather and all_to_all of 3 to 8 ranks on one host above the
 group lane's bound, each rank reading what it needs straight from the others'
 buffers, folded in rank order like every other path."""
-import mmap
-import os
 
 import numpy as np
 import pytest
@@ -12,10 +10,11 @@ from mpccs.errors import TransportError
 from mpccs.group_lane_ops import read_bytes, takes_group_reads
 from mpccs.group_read_steps import BLOCK_ALIGN_BYTES, GroupReadSteps, block_bounds
 from mpccs.transports import cma, shm
-from mpccs.transports.shm import SLOT_POSTED, WORD_PID
-from mpccs.transports.shm_group import ShmGroup, blocks_bound, lane_bound, segment_bytes
+from mpccs.transports.shm import SLOT_POSTED
+from mpccs.transports.shm_group import blocks_bound, lane_bound
 from rankpool import RankPool
-from test_group_lane import one_rank_calls_another_size
+from test_group_lane import block_collective_rows, groups_here, one_rank_calls_another_size
+from test_lane import late_peer
 
 pytestmark = pytest.mark.skipif(not (shm.supported() and cma.available()),
                                 reason="the group reads need x86-64, /dev/shm and process_vm_readv")
@@ -29,13 +28,6 @@ def pool():
 
 
 # -- the steps, every rank in this process (it may read its own memory) -------
-def _groups(size=3):
-    maps = [mmap.mmap(-1, segment_bytes(size)) for _ in range(size)]
-    for m in maps:
-        np.ndarray(1, np.int64, m, WORD_PID * 8)[0] = os.getpid()
-    return [ShmGroup(maps, r, cma=True) for r in range(size)]
-
-
 def _error(message, step, peer):
     return TransportError(message, peer=peer, stage=step)
 
@@ -74,7 +66,7 @@ def test_all_reduce_folds_every_block_in_rank_order(in_place):
     ins = [np.tile(np.array(v, np.float32), n // 3) for v in ([big, 1, -big], [1, big, 1], [-big, -big, 1])]
     expected = (ins[0] + ins[1]) + ins[2]
     assert expected.tobytes() != ((ins[2] + ins[1]) + ins[0]).tobytes()  # the order shows
-    groups = _groups()
+    groups = groups_here(cma=True)
     outs = [x if in_place else np.empty_like(x) for x in ins]
     _run(_steps(groups, 7, "all_reduce", ins, outs))
     for out in outs:
@@ -85,7 +77,7 @@ def test_the_other_collectives_place_every_block():
     size, n = 3, 200000
     ins = [(np.arange(size * n) * (r + 2)).astype(np.int32) for r in range(size)]
     total = ins[0] + ins[1] + ins[2]
-    groups = _groups()
+    groups = groups_here(cma=True)
     for seq, (name, out_size) in enumerate((("reduce_scatter", n), ("all_to_all", size * n)), start=1):
         outs = [np.empty(out_size, np.int32) for _ in range(size)]
         _run(_steps(groups, seq, name, ins, outs))
@@ -100,7 +92,7 @@ def test_the_other_collectives_place_every_block():
 
 
 def test_no_rank_finishes_before_every_peer_is_done_reading_it():
-    groups = _groups()
+    groups = groups_here(cma=True)
     ins = [np.full(3 * 4096, r + 1.0, np.float32) for r in range(3)]
     outs = [np.empty_like(x) for x in ins]
     s0, s1, s2 = _steps(groups, 1, "all_reduce", ins, outs)
@@ -121,7 +113,7 @@ def test_no_rank_finishes_before_every_peer_is_done_reading_it():
 
 
 def test_another_calls_shape_fails_the_step_naming_the_peer():
-    groups = _groups()
+    groups = groups_here(cma=True)
     ins = [np.ones(3 * 4096 if r != 2 else 3 * 4096 + 1024, np.float32) for r in range(3)]
     outs = [np.empty_like(x) for x in ins]
     steps = _steps(groups, 1, "all_reduce", ins, outs)
@@ -132,7 +124,7 @@ def test_another_calls_shape_fails_the_step_naming_the_peer():
 
 def test_a_peer_that_abandons_while_read_fails_the_reader(monkeypatch):
     """A failed rank clears its slot: a read that raced it fails instead of completing."""
-    groups = _groups()
+    groups = groups_here(cma=True)
     ins = [np.ones(3 * 4096, np.float32) for _ in range(3)]
     outs = [np.empty_like(x) for x in ins]
     steps = _steps(groups, 1, "all_reduce", ins, outs)
@@ -192,19 +184,7 @@ def every_collective_read(comm):
         in_place = mine.copy()
         comm.all_reduce(in_place, op=op, async_op=True).wait()
         row(("all_reduce in place async",), in_place, total)
-        block = np.empty(n, dtype)
-        comm.reduce_scatter(mine, block, op=op)
-        row(("reduce_scatter",), block, total[rank * n:(rank + 1) * n])
-        gathered = np.empty(size * size * n, dtype)
-        comm.all_gather(mine, gathered, async_op=True).wait()
-        row(("all_gather async",), gathered, np.concatenate(ins))
-        gathered = np.zeros(size * size * n, dtype)
-        gathered[rank * size * n:(rank + 1) * size * n] = mine
-        comm.all_gather(gathered[rank * size * n:(rank + 1) * size * n], gathered)
-        row(("all_gather in place",), gathered, np.concatenate(ins))
-        swapped = np.empty_like(mine)
-        comm.all_to_all(mine, swapped)
-        row(("all_to_all",), swapped, np.concatenate([x[rank * n:(rank + 1) * n] for x in ins]))
+        block_collective_rows(comm, ins, total, n, row, op)
     return rows
 
 
@@ -236,25 +216,11 @@ def test_lane_and_reads_calls_in_flight_together(pool):
     assert pool.run(lane_and_reads_interleaved, timeout=60) == [expected] * 3
 
 
-def late_rank_reads(comm, late):
-    """``late`` comes 0.3 s late to a 4 MiB all_reduce: the others sleep and it rings them."""
-    import time
-
-    x = np.full(1 << 20, comm.rank + 1.0, np.float32)
-    comm.barrier()
-    if comm.rank == late:
-        time.sleep(0.3)
-    cpu = time.process_time()
-    comm.all_reduce(x)
-    stats = comm.last_stats()
-    return time.process_time() - cpu, stats["algorithm"], stats["slept_for_peer"], stats["rang_peer"], float(x[-1])
-
-
 @pytest.mark.parametrize("late", [0, 2])
 def test_a_late_rank_is_met_without_spinning(pool, late):
-    results = pool.run(late_rank_reads, late)
-    for rank, (cpu, algorithm, slept, rang, value) in enumerate(results):
-        assert (algorithm, value) == ("group_reads", 6.0)
+    results = pool.run(late_peer, late, 1 << 20)  # 4 MiB
+    for rank, (cpu, algorithm, slept, rang, values) in enumerate(results):
+        assert (algorithm, values) == ("group_reads", [6.0, 6.0])
         if rank == late:
             assert rang and not slept, results
         else:

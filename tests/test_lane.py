@@ -274,19 +274,22 @@ def test_an_async_call_whose_peer_is_there_is_done_when_it_returns(pool):
     assert [row[1:] for row in first] == [(True, "direct_lane", True, True)] * 5  # done at once or not
 
 
-def late_peer(comm, late_rank):
-    """``late_rank`` comes 0.3 s late: the early rank hands the call to the engine,
-    sleeps on its planes' events and is rung awake."""
+def late_peer(comm, late_rank, count=2):
+    """``late_rank`` comes 0.3 s late to an all_reduce of ``count`` elements: the
+    early ranks hand the call to the engine, sleep on their planes' events and
+    are rung awake (test_group_lane.py, test_group_reads.py: 3 ranks). The
+    result's first and last elements."""
     import time
 
-    x = np.full(2, comm.rank + 1.0, np.float32)
+    x = np.full(count, comm.rank + 1.0, np.float32)
     comm.barrier()
     if comm.rank == late_rank:
         time.sleep(0.3)
     cpu = time.process_time()
     comm.all_reduce(x)
     stats = comm.last_stats()
-    return time.process_time() - cpu, stats["algorithm"], stats["slept_for_peer"], stats["rang_peer"], x.tolist()
+    return (time.process_time() - cpu, stats["algorithm"], stats["slept_for_peer"], stats["rang_peer"],
+            [float(x[0]), float(x[-1])])
 
 
 @pytest.mark.parametrize("late_rank", [0, 1])

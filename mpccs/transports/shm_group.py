@@ -143,18 +143,13 @@ class ShmGroup:
         """Publish the payload the caller put in operation ``seq``'s slot: its meta
         words, then the fingerprint entry, its seq last, fenced before and after
         (the caller looks at the peers' FLAG_WAITING next: shm.py, Dekker's order)."""
-        own = self.own
         meta = self._meta_at + seq % LANE_SLOTS * self._slot_words
-        own[meta], own[meta + 1] = seq, nbytes
-        entry = FP_RING_AT + seq % FP_RING * FP_WORDS
-        own[entry], own[entry + 1] = words
-        self._fence_stores()
-        own[entry + 2] = seq
-        self._fence_stores()
+        self.own[meta], self.own[meta + 1] = seq, nbytes
+        self.post_fingerprint(seq, words)
 
     def post_fingerprint(self, seq: int, words: tuple[int, int]) -> None:
-        """Publish this rank's fingerprint entry for operation ``seq`` alone (the
-        reads: group_read_steps.py), fenced as post_lane's."""
+        """Publish this rank's fingerprint entry for operation ``seq`` (alone: the
+        reads, group_read_steps.py), its seq last, fenced before and after."""
         own, entry = self.own, FP_RING_AT + seq % FP_RING * FP_WORDS
         own[entry], own[entry + 1] = words
         self._fence_stores()
