@@ -55,13 +55,27 @@ def _sizes() -> tuple:
 BLOCKS, WARMUP = 20, 30
 
 
+def _allocator():
+    """np.empty, or mpccs.empty where GROUP_LANE_AB_MEMORY=hugepages (bench/hostmem_ab.py), loaded
+    from its file: an MPI rank imports no mpccs package (no UCX) to get it."""
+    if os.environ.get("GROUP_LANE_AB_MEMORY", "numpy") != "hugepages":
+        return np.empty
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hostmem", os.path.join(os.path.dirname(HERE), "mpccs", "hostmem.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.empty
+
+
 def _time_sizes(call, barrier, slowest, world: int, algorithm=None) -> dict:
     """Per size the median per-call time in us; with ``algorithm`` (a callable
     giving the last call's), also "algorithm_<size>"."""
-    res = {}
+    res, empty = {}, _allocator()
     for nbytes in _sizes():
         count = nbytes // 4 // world * world  # (a whole block per rank)
-        send, out = np.ones(count, np.float32), np.empty(_out_count(_collective(), count, world), np.float32)
+        send, out = empty(count, np.float32), empty(_out_count(_collective(), count, world), np.float32)
+        send[...] = 1
         k = _calls_per_block(nbytes)
         for _ in range(WARMUP):
             call(send, out)

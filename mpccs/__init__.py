@@ -19,13 +19,14 @@ from .errors import (
     RendezvousError,
     TransportError,
 )
+from .hostmem import empty
 from .reduce import OPS
 
 __version__ = "0.1.0"
 ReduceOp = OPS
 
 __all__ = [
-    "Communicator", "Work", "init", "OPS", "ReduceOp", "__version__",
+    "Communicator", "Work", "init", "empty", "OPS", "ReduceOp", "__version__",
     "MpccsError", "ConfigError", "RendezvousError", "TransportError", "OperationTimeout",
     "MismatchError", "ProtocolError", "CommunicatorAborted",
 ]

@@ -64,6 +64,15 @@ def sizes(begin: int, end: int, factor: float) -> list[int]:
     return out
 
 
+def _on_huge_pages(a: np.ndarray) -> np.ndarray:
+    """``a``'s values in an array of mpccs.empty (2 MiB pages, 2 MiB aligned)."""
+    from .hostmem import empty
+
+    b = empty(a.shape, a.dtype)
+    b[...] = a
+    return b
+
+
 class Case:
     """Buffers and a runner for one collective at one size (count = elements per the nccl-tests size)."""
 
@@ -100,7 +109,9 @@ class Case:
             self.send, self.recv = make(c), np.empty(c, dtype)
         self.original = self.send.copy()
         self.xp = np
-        if memory == "device":  # the same values in GPU memory (mpccs stages them: docs/design.md)
+        if memory == "hugepages":  # the same values in mpccs.empty's arrays (hostmem.py)
+            self.send, self.recv = _on_huge_pages(self.send), _on_huge_pages(self.recv)
+        elif memory == "device":  # the same values in GPU memory (mpccs stages them: docs/design.md)
             import cupy
 
             self.xp = cupy
@@ -363,6 +374,8 @@ def policy_label(p) -> str:
 
 
 def _memory_text(comm, memory: str) -> str:
+    if memory == "hugepages":
+        return "host memory on 2 MiB pages (mpccs.empty)"
     if memory != "device":
         return "host memory"
     how = "read by the planes (GPU-direct)" if comm.gpu_direct else "staged through pinned host mirrors"
@@ -391,8 +404,9 @@ def main(argv=None) -> int:
     ap.add_argument("--settle", type=int, default=0, metavar="N",
                     help="run N 'adaptive' operations (the controller's start-up probes) before the sweep, "
                          "and report them against N under 'up'")
-    ap.add_argument("--memory", choices=("host", "device"), default="host",
-                    help="buffers in host memory (numpy) or GPU memory (cupy; needs a GPU)")
+    ap.add_argument("--memory", choices=("host", "hugepages", "device"), default="host",
+                    help="buffers in host memory (numpy), host memory on 2 MiB pages (mpccs.empty) "
+                         "or GPU memory (cupy; needs a GPU)")
     ns = ap.parse_args(argv)
     if ns.memory == "device":
         try:

@@ -106,6 +106,32 @@ def test_check_counts_wrong_elements_against_a_reference():
     assert case.wrong() == 7
 
 
+def test_hugepage_buffers_hold_the_same_values_on_aligned_pages():
+    import numpy as np
+
+    from mpccs.hostmem import HUGE_PAGE_BYTES
+    from mpccs.perf import Case
+
+    class OneRank:
+        size, rank = 1, 0
+
+    plain = Case(OneRank(), "all_gather", 3 << 20, np.dtype("float32"), "sum", 0, False)
+    huge = Case(OneRank(), "all_gather", 3 << 20, np.dtype("float32"), "sum", 0, False, memory="hugepages")
+    assert np.array_equal(plain.send, huge.send) and huge.recv.shape == plain.recv.shape
+    assert huge.send.ctypes.data % HUGE_PAGE_BYTES == 0 and huge.recv.ctypes.data % HUGE_PAGE_BYTES == 0
+
+
+def test_hugepage_buffers_run_under_the_launcher_without_wrong_elements():
+    p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "2", "--no-prefix", os.path.join(BIN, "mpccs-perf"),
+                        "all_reduce", "-b", "1M", "-e", "16M", "-f", "4", "-n", "3", "-w", "1", "--path", "up",
+                        "--memory", "hugepages"],
+                       env=clean_env(), capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = [line.split() for line in p.stdout.splitlines() if line and not line.startswith("#")]
+    assert len(rows) == 3 and all(int(cols[10]) == 0 for cols in rows), p.stdout
+    assert "buffers in host memory on 2 MiB pages (mpccs.empty)" in p.stdout
+
+
 def test_in_place_input_is_put_back_before_the_timed_call_not_inside_it():
     """nccl-tests leaves its copies out of the time: the timed call of an in-place
     all_reduce (or a broadcast) runs on the buffer as prepare() left it."""
