@@ -44,10 +44,31 @@ def command_for(prog: str, args: list[str]) -> list[str]:
 
 
 def _pump(stream, prefix: str, sink) -> None:
+    """Copy a rank's output to ``sink`` line by line. Once the sink's reader is gone
+    (``mpccs-run ... | head``), keep reading the rank's lines and drop them: a rank
+    blocked on a full pipe would never exit."""
+    open_sink = True
     for line in iter(stream.readline, b""):
-        sink.write(prefix + line.decode(errors="replace"))
-        sink.flush()
+        if not open_sink:
+            continue
+        try:
+            sink.write(prefix + line.decode(errors="replace"))
+            sink.flush()
+        except BrokenPipeError:
+            open_sink = False
+            _discard_into(sink)
     stream.close()
+
+
+def _discard_into(sink) -> None:
+    """Point ``sink``'s file descriptor at /dev/null: what it still buffers, and the
+    interpreter's flush at exit, then go nowhere instead of raising again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sink.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # a sink without a descriptor (a test's StringIO)
+        pass
 
 
 def _stop(procs: list[subprocess.Popen], sig=signal.SIGTERM, wait_s: float = 3.0) -> None:

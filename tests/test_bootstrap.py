@@ -88,6 +88,23 @@ def test_launcher_stops_all_ranks_when_one_fails(tmp_path):
     assert "rank 1 exited with code 3" in out.stderr
 
 
+def test_a_reader_that_goes_away_neither_hangs_the_ranks_nor_prints_tracebacks(tmp_path):
+    """``mpccs-run ... | head -1``: once the pipe closes, the ranks' further output
+    (far more than a pipe holds) is dropped, they finish, and nothing is printed about it."""
+    prog = tmp_path / "chatty.py"
+    prog.write_text("for i in range(20000):\n    print('line', i, 'x' * 60)\n")
+    launcher = subprocess.Popen([os.path.join(BIN, "mpccs-run"), "-n", "2", str(prog)], env=clean_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert launcher.stdout.readline().startswith(b"[rank ")
+        launcher.stdout.close()  # the reader is gone
+        assert launcher.wait(timeout=60) == 0
+        assert b"Traceback" not in launcher.stderr.read()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
 def test_missing_variable_is_named():
     with pytest.raises(RendezvousError, match="MASTER_ADDR"):
         rendezvous({"RANK": "0", "WORLD_SIZE": "2"}, timeout_s=1)
