@@ -24,6 +24,7 @@ import numpy as np
 
 HUGE_PAGE_BYTES = 2 << 20
 MADV_HUGEPAGE = 14
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 def _load_madvise():
@@ -58,3 +59,15 @@ def empty(shape, dtype=np.float32) -> np.ndarray:
         _madvise(raw.ctypes.data + start, span, MADV_HUGEPAGE)  # advice: a refusal leaves 4 KiB pages
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
+
+
+def huge_pages_setting() -> str | None:
+    """The kernel's transparent huge page mode (``always``, ``madvise``: ``empty``'s
+    pages are granted; ``never``: they are not), or None where it does not say."""
+    try:
+        with open(THP_SETTING) as f:
+            text = f.read()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else None

@@ -43,6 +43,7 @@ def code_identity() -> dict:
 
 def collect(comm) -> dict:
     from . import __version__
+    from .hostmem import huge_pages_setting
     from .transports.ucx import ucx_version, ucxx_version
 
     return {
@@ -60,6 +61,11 @@ def collect(comm) -> dict:
         "shm_segments": comm._engine.shm is not None,
         # and with them, whether 2-rank collectives read the peer's blocks across processes (cma_steps.py)
         "cma_reads": comm._engine.shm is not None and comm._engine.shm.cma,
+        # 3-8 ranks on one host: the group's segments (the group lane) and their reads across processes
+        "group_segments": comm._group is not None,
+        "group_reads": comm._group is not None and comm._group.cma,
+        # whether mpccs.empty's arrays get 2 MiB pages (hostmem.py): the kernel's THP mode
+        "transparent_hugepage": huge_pages_setting(),
         # device (cupy) arrays: read by the planes themselves, or staged through pinned host mirrors
         "gpu_direct": comm.gpu_direct,
         "planes": {
@@ -88,6 +94,12 @@ def render(info: dict) -> str:
                                     "blocks, broadcast, reduce of 1-128 MiB)"
                                     if info["cma_reads"] else
                                     "off (no segments, MPCCS_CMA=0, or the kernel refused a cross-memory read)"),
+        "# group segments (3-8 ranks on one host): " + (
+            ("open, reads across processes on" if info["group_reads"] else "open, reads across processes off")
+            if info["group_segments"] else "closed (not 3-8 ranks on one host, or MPCCS_SHM=0)"),
+        "# mpccs.empty: " + ("2 MiB pages (transparent_hugepage=%s)" % info["transparent_hugepage"]
+                             if info["transparent_hugepage"] in ("always", "madvise") else
+                             "ordinary pages (transparent_hugepage=%s)" % info["transparent_hugepage"]),
         "# device arrays: " + ("GPU-direct (the planes read device memory: cuda_ipc / cuda_copy)" if info["gpu_direct"]
                                else "pinned host mirrors (no GPU seen by cupy on every rank, or MPCCS_GPU_DIRECT=0)"),
     ]

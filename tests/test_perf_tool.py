@@ -251,6 +251,40 @@ def test_info_says_whether_the_shared_memory_segments_are_open_and_read_across()
                     "01": (["closed"] * 2, ["off"] * 2)}
 
 
+def test_info_says_whether_a_group_has_segments_and_reads_and_what_pages_mpccs_empty_gets():
+    from mpccs.hostmem import huge_pages_setting
+    from mpccs.transports import cma, shm
+
+    p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "3", "--no-prefix", os.path.join(BIN, "mpccs-info"),
+                        "--json"], capture_output=True, text=True, timeout=120, env=clean_env())
+    assert p.returncode == 0, p.stderr
+    decoder, text, infos = json.JSONDecoder(), p.stdout.strip(), []
+    while text:  # three JSON documents, one per rank
+        info, end = decoder.raw_decode(text)
+        infos.append(info)
+        text = text[end:].strip()
+    assert len(infos) == 3
+    for info in infos:
+        assert info["group_segments"] == shm.supported() and not info["shm_segments"]
+        assert info["group_reads"] == (shm.supported() and cma.available())
+        assert info["transparent_hugepage"] == huge_pages_setting()
+    p = subprocess.run([os.path.join(BIN, "mpccs-info")], capture_output=True, text=True, timeout=120,
+                       env=clean_env())
+    assert "# group segments (3-8 ranks on one host): closed" in p.stdout
+    assert f"transparent_hugepage={huge_pages_setting()})" in p.stdout
+
+
+def test_huge_pages_setting_is_the_bracketed_mode(tmp_path, monkeypatch):
+    from mpccs import hostmem
+
+    setting = tmp_path / "enabled"
+    setting.write_text("always [madvise] never\n")
+    monkeypatch.setattr(hostmem, "THP_SETTING", str(setting))
+    assert hostmem.huge_pages_setting() == "madvise"
+    monkeypatch.setattr(hostmem, "THP_SETTING", str(tmp_path / "absent"))
+    assert hostmem.huge_pages_setting() is None
+
+
 def test_info_says_how_device_arrays_travel():
     p = subprocess.run([os.path.join(BIN, "mpccs-info"), "--json"], capture_output=True, text=True, timeout=120,
                        env=dict(clean_env(), MPCCS_GPU_DIRECT="0"))
