@@ -255,14 +255,14 @@ def test_info_says_whether_a_group_has_segments_and_reads_and_what_pages_mpccs_e
     from mpccs.hostmem import huge_pages_setting
     from mpccs.transports import cma, shm
 
-    p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "3", "--no-prefix", os.path.join(BIN, "mpccs-info"),
-                        "--json"], capture_output=True, text=True, timeout=120, env=clean_env())
+    p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "3", os.path.join(BIN, "mpccs-info"), "--json"],
+                       capture_output=True, text=True, timeout=120, env=clean_env())
     assert p.returncode == 0, p.stderr
-    decoder, text, infos = json.JSONDecoder(), p.stdout.strip(), []
-    while text:  # three JSON documents, one per rank
-        info, end = decoder.raw_decode(text)
-        infos.append(info)
-        text = text[end:].strip()
+    by_rank = {}
+    for line in p.stdout.splitlines():  # the ranks' lines interleave: each carries its "[rank k] "
+        tag, _, text = line.partition("] ")
+        by_rank.setdefault(tag, []).append(text)
+    infos = [json.loads("\n".join(lines)) for lines in by_rank.values()]
     assert len(infos) == 3
     for info in infos:
         assert info["group_segments"] == shm.supported() and not info["shm_segments"]
