@@ -60,7 +60,6 @@ def empty(shape, dtype=np.float32) -> np.ndarray:
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
-
 def huge_pages_setting() -> str | None:
     """The kernel's transparent huge page mode (``always``, ``madvise``: ``empty``'s
     pages are granted; ``never``: they are not), or None where it does not say."""

@@ -97,9 +97,8 @@ def render(info: dict) -> str:
         "# group segments (3-8 ranks on one host): " + (
             ("open, reads across processes on" if info["group_reads"] else "open, reads across processes off")
             if info["group_segments"] else "closed (not 3-8 ranks on one host, or MPCCS_SHM=0)"),
-        "# mpccs.empty: " + ("2 MiB pages (transparent_hugepage=%s)" % info["transparent_hugepage"]
-                             if info["transparent_hugepage"] in ("always", "madvise") else
-                             "ordinary pages (transparent_hugepage=%s)" % info["transparent_hugepage"]),
+        "# mpccs.empty: " + ("2 MiB pages" if info["transparent_hugepage"] in ("always", "madvise") else
+                             "ordinary pages") + f" (transparent_hugepage={info['transparent_hugepage']})",
         "# device arrays: " + ("GPU-direct (the planes read device memory: cuda_ipc / cuda_copy)" if info["gpu_direct"]
                                else "pinned host mirrors (no GPU seen by cupy on every rank, or MPCCS_GPU_DIRECT=0)"),
     ]
