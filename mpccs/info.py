@@ -91,7 +91,7 @@ def render(info: dict) -> str:
         "# shared-memory segments: " + ("open (2-rank medium all_reduce)" if info["shm_segments"] else
                                         "closed (not 2 ranks on one host with a shared-memory 'up', or MPCCS_SHM=0)"),
         "# cross-memory reads: " + ("on (2-rank all_reduce to 256 MiB; reduce_scatter, all_gather, all_to_all "
-                                    "blocks, broadcast, reduce of 512 KiB-128 MiB)"
+                                    "blocks, broadcast, reduce of 1-128 MiB)"
                                     if info["cma_reads"] else
                                     "off (no segments, MPCCS_CMA=0, or the kernel refused a cross-memory read)"),
         "# group segments (3-8 ranks on one host): " + (
