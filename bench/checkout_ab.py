@@ -44,6 +44,7 @@ def rank_main() -> None:
             "all_to_all": (np.ones(n * p, np.float32), np.empty(n * p, np.float32), comm.all_to_all),
             "reduce_scatter": (np.ones(n * p, np.float32), np.empty(n, np.float32), comm.reduce_scatter),
             "broadcast": (np.ones(n, np.float32), None, lambda s, o: comm.broadcast(s, root=0)),
+            "reduce": (np.ones(n, np.float32), np.empty(n, np.float32), lambda s, o: comm.reduce(s, o, root=0)),
             "all_reduce": (np.ones(n, np.float32), np.empty(n, np.float32), comm.all_reduce),
         }
         for name in wanted:
@@ -65,7 +66,7 @@ def rank_main() -> None:
     comm.close()
 
 
-COLLECTIVES = ("all_gather", "all_to_all", "reduce_scatter", "broadcast", "all_reduce")
+COLLECTIVES = ("all_gather", "all_to_all", "reduce_scatter", "broadcast", "reduce", "all_reduce")
 
 
 def _bytes(text: str) -> int:
