@@ -22,22 +22,14 @@ import mmap
 
 import numpy as np
 
+from .transports.libc import libc_function
+
 HUGE_PAGE_BYTES = 2 << 20
 MADV_HUGEPAGE = 14
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
-def _load_madvise():
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return fn
-
-
-_madvise = _load_madvise()
+_madvise = libc_function("madvise", ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
 
 
 def empty(shape, dtype=np.float32) -> np.ndarray:

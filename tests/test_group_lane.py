@@ -152,17 +152,12 @@ def small_call_without_group(comm):
     return comm._group is None, comm.last_stats()["algorithm"], x.tolist()
 
 
-def test_one_unwilling_rank_leaves_every_rank_on_messages():
-    """shm off on rank 1 only: no rank uses the group (all or none), and calls still agree."""
-    ranks = RankPool(3, setup=init_without_segments_on_rank1)
-    try:
-        assert ranks.run(small_call_without_group) == [(True, "direct", [6.0])] * 3
-    finally:
-        ranks.close()
-
-
-def test_one_rank_without_room_for_its_segment_leaves_every_rank_on_messages():
-    ranks = RankPool(3, setup=init_without_room_on_rank1)
+@pytest.mark.parametrize("setup", [init_without_segments_on_rank1, init_without_room_on_rank1],
+                         ids=["shm off on rank 1", "no room for rank 1's segment"])
+def test_one_rank_without_its_segment_leaves_every_rank_on_messages(setup):
+    """Rank 1 alone without a segment (shm off, or no room in /dev/shm): no rank uses the
+    group (all or none), and calls still agree."""
+    ranks = RankPool(3, setup=setup)
     try:
         assert ranks.run(small_call_without_group) == [(True, "direct", [6.0])] * 3
     finally:

@@ -20,6 +20,8 @@ import os
 
 import numpy as np
 
+from .libc import libc_function
+
 PR_SET_PTRACER = 0x59616D61  # Yama's prctl: the one process, besides ancestors, that may trace this one
 PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value  # ... or any process (of the same user, as ptrace asks anyway)
 
@@ -28,31 +30,11 @@ class _IoVec(ctypes.Structure):
     _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
 
 
-def _load_readv():
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).process_vm_readv
-    except (OSError, AttributeError):  # not glibc on Linux
-        return None
-    fn.restype = ctypes.c_ssize_t
-    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.POINTER(_IoVec), ctypes.c_ulong,
-                   ctypes.c_ulong]
-    return fn
-
-
-_readv = _load_readv()
-
-
-def _load_prctl():
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    return fn
-
-
-_prctl = _load_prctl()
+_readv = libc_function("process_vm_readv", ctypes.c_ssize_t,
+                       [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.POINTER(_IoVec),
+                        ctypes.c_ulong, ctypes.c_ulong])
+_prctl = libc_function("prctl", ctypes.c_int,
+                       [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong])
 
 
 def available() -> bool:
