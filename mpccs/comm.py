@@ -13,7 +13,7 @@ from typing import Optional
 import numpy as np
 
 from . import arrays, direct_ops, staging
-from . import algorithms, fingerprint, shm_steps
+from . import algorithms, fingerprint, pipe_steps, shm_steps
 from .algorithms import Topology, resumable_in_place
 from .bootstrap import Bootstrap, hostname, rendezvous, usable_cores
 from .config import (DEFAULT_UP_TLS_CPU, GPU_DIRECT_OUT_TLS, GPU_DIRECT_UP_TLS, Options, load_options, parse_policy,
@@ -22,8 +22,8 @@ from .collective_op import CollectiveOp
 from .direct_ops import (DIRECT_BLOCKS_MIN_BYTES, DIRECT_CMA_BLOCK_BYTES, DIRECT_CMA_MAX_BYTES, DIRECT_MAX_BYTES,
                          DIRECT_MEDIUM_BUDGET, DIRECT_SHM_MIN_BYTES, DirectAllGatherOp, DirectAllReduceOp,
                          DirectAllToAllOp, DirectBlocksAllReduceOp, DirectBroadcastOp, DirectReduceOp,
-                         DirectReduceScatterOp, DirectShmAllReduceOp, DirectShmBlocksOp, LightRecord, StartedSteps,
-                         run_steps_alone)
+                         DirectPipeBlocksOp, DirectReduceScatterOp, DirectShmAllReduceOp, DirectShmBlocksOp, LightRecord,
+                         StartedSteps, run_steps_alone)
 from .engine import Engine
 from .flows import Splitter
 from .group_lane_ops import GroupLane, GroupLaneOp, GroupReadsOp, takes_group_lane, takes_group_reads
@@ -750,6 +750,7 @@ class Communicator:
                 or self._tune.match(collective, call_bytes) is not None:
             return False
         return (count * itemsize <= DIRECT_MAX_BYTES or self._in_group_lane(collective, count * itemsize, call_bytes)
+                or self._direct_by_pipe(collective, count * itemsize)
                 or self._direct_by_cma(collective, count * itemsize, call_bytes)
                 or self._direct_medium(collective, count, itemsize, call_bytes, root))
 
@@ -776,6 +777,15 @@ class Communicator:
         plan = self._schedule(collective, count, call_bytes, root=root)
         return (plan.single_plane
                 or plan.schedule.max_stage_send() * itemsize < self._engine.controller.config.min_multipath_bytes)
+
+    def _direct_by_pipe(self, collective: str, block_bytes: int) -> bool:
+        """A 2-rank reduce_scatter, all_gather, all_to_all, broadcast or reduce whose
+        part lies above the lane's bound and within the outbox (pipe_steps.takes),
+        on a pair with the segments open, under policy 'up' or 'adaptive' (why
+        'adaptive' too: _direct_by_cma), goes through the outboxes in chunks
+        (direct_ops.DirectPipeBlocksOp). The same answer on every rank."""
+        return (self._engine.shm is not None and self._policy in (UP, "adaptive")
+                and pipe_steps.takes(collective, block_bytes))
 
     def _direct_by_cma(self, collective: str, block_bytes: int, call_bytes: int) -> bool:
         """On a pair that reads across processes (transports/shm.py: both ranks agreed
@@ -818,6 +828,8 @@ class Communicator:
             kind, segments, extra = GroupReadsOp, self._group, {"group": self._group}
         elif name == "all_reduce" and self._through_segments(send):
             kind = DirectShmAllReduceOp
+        elif name in CMA_BLOCK_COLLECTIVES and self._direct_by_pipe(name, _block_bytes(name, send, out, self.size)):
+            kind = DirectPipeBlocksOp
         elif name in CMA_BLOCK_COLLECTIVES and self._direct_by_cma(name, _block_bytes(name, send, out, self.size), 0):
             kind = DirectShmBlocksOp
         elif name == "all_reduce" and send.nbytes >= DIRECT_BLOCKS_MIN_BYTES:

@@ -15,6 +15,7 @@ from .cma_steps import CmaSteps
 from .errors import ProtocolError, TransportError
 from .fingerprint import Fingerprint
 from .operation import FP_BYTES, Operation, check_fingerprint
+from .pipe_steps import PipeSteps
 from .reduce import reduce_into, reduce_to
 from .shm_steps import ShmSteps
 from .telemetry import wall
@@ -609,14 +610,15 @@ class DirectShmAllReduceOp(SegmentMeetingOp):
                 fingerprint: Optional[Fingerprint], root):
         """Publish this rank's fingerprint in the segments, then post its steps; the steps."""
         pair.post_fingerprint(fingerprint.encode() if fingerprint is not None else _NO_FINGERPRINT, seq)
-        rank = engine.rank
-        if not cls.reads(pair, send):
-            return ShmSteps(pair, seq, rank, send, out, op)
+        return cls.post_steps(pair, engine, seq, name, send, out, op, root)
 
-        def error(message: str, step: str) -> TransportError:
-            return TransportError(message, rank=rank, plane=UP, peer=1 - rank, op=name, stage=f"direct shm {step}")
-        return CmaSteps(pair, wire.attempt_seq(seq, 0), rank, name, send, out, op,
-                        lambda n: engine.kept_scratch("direct_shm", n), error, root)
+    @classmethod
+    def post_steps(cls, pair, engine, seq: int, name: str, send: np.ndarray, out: np.ndarray, op: str, root):
+        """This rank's steps, posted: through the outboxes, or read across processes (``reads``)."""
+        if not cls.reads(pair, send):
+            return ShmSteps(pair, seq, engine.rank, send, out, op)
+        return CmaSteps(pair, wire.attempt_seq(seq, 0), engine.rank, name, send, out, op,
+                        lambda n: engine.kept_scratch("direct_shm", n), _step_error(engine.rank, name), root)
 
     @staticmethod
     def reads(pair, send: np.ndarray) -> bool:
@@ -698,6 +700,28 @@ class DirectShmBlocksOp(DirectShmAllReduceOp):
     @staticmethod
     def reads(pair, send: np.ndarray) -> bool:
         return True  # chosen only where the pair reads (comm._direct_by_cma)
+
+
+class DirectPipeBlocksOp(DirectShmBlocksOp):
+    """DirectShmBlocksOp's collectives with a part above the lane's bound and within
+    the outbox (pipe_steps.takes): each rank's part goes through its outbox in
+    chunks that the peer copies or reduces out while the next is copied in
+    (pipe_steps.py), on any pair with the segments open, reads or not."""
+
+    algorithm = "direct_pipe"
+
+    @classmethod
+    def post_steps(cls, pair, engine, seq: int, name: str, send: np.ndarray, out: np.ndarray, op: str, root):
+        part, count = peer_part(name, send, engine.rank, root)
+        return PipeSteps(pair, seq, engine.rank, name, send, out, op, part, count, _step_error(engine.rank, name),
+                         root)
+
+
+def _step_error(rank: int, name: str) -> Callable[[str, str], TransportError]:
+    """What a failed step through the segments raises: naming the rank, plane, peer and step."""
+    def error(message: str, step: str) -> TransportError:
+        return TransportError(message, rank=rank, plane=UP, peer=1 - rank, op=name, stage=f"direct shm {step}")
+    return error
 
 
 def run_steps_alone(pair, seq: int, steps, fingerprint: Optional[Fingerprint],

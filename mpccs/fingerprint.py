@@ -23,7 +23,7 @@ from .reduce import SUPPORTED_DTYPES
 _COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "all_to_allv", "broadcast", "reduce", "barrier")
 _OPS = ("sum", "prod", "min", "max", "avg")
 _ALGORITHMS = ("ring", "rhd", "rd", "tree", "hierarchical", "pairwise", "pipeline", "direct", "direct_blocks", "direct_shm",
-               "direct_lane", "group_reads")  # 4 bits: at most 16
+               "direct_lane", "group_reads", "direct_pipe")  # 4 bits: at most 16
 ANY_COUNT = (1 << 64) - 1
 
 

@@ -387,12 +387,12 @@ def all_to_all_blocks(comm, policy):
 
 
 def rooted_calls(comm, policy):
-    """broadcast and reduce of 1-8 MiB from either root, odd counts, several dtypes and ops,
-    reduce in and out of place: (collective, executor, exact)."""
+    """broadcast and reduce of 2-8 MiB (above the pipe's bound: test_pipe.py) from either root,
+    odd counts, several dtypes and ops, reduce in and out of place: (collective, executor, exact)."""
     comm.set_path_policy(policy)
     out = []
-    cases = ((MIB, "float32", "sum", False), (MIB + 2, "float16", "max", True), (3 * MIB + 8, "int64", "prod", False),
-             (8 * MIB, "float64", "avg", True))
+    cases = ((2 * MIB + 4, "float32", "sum", False), (2 * MIB + 2, "float16", "max", True),
+             (3 * MIB + 8, "int64", "prod", False), (8 * MIB, "float64", "avg", True))
     for k, (nbytes, dtype, op, in_place) in enumerate(cases):
         root = k % 2
         n = nbytes // dtype_of(dtype).itemsize
@@ -414,8 +414,8 @@ def test_broadcast_and_reduce_read_their_buffers_exactly(pool, policy):
         assert per_rank == [(c, "direct_shm", True) for c in ("broadcast", "reduce")] * 4, per_rank
 
 
-def reader_runs_ahead(comm):
-    """Broadcasts from rank 0 and reduces to rank 1, back to back, where the rank
+def reader_runs_ahead(comm, n, algorithm):
+    """Broadcasts from rank 0 and reduces to rank 1 of ``n`` float32, back to back, where the rank
     that reads nothing (the broadcast's root, the reduce's non-root: rank 0 both
     times) first looks for its peer 20 ms late in every call: by then the reader has
     met it, read, finished and published its next call's fingerprint. (exact) per call."""
@@ -435,10 +435,10 @@ def reader_runs_ahead(comm):
     exact = []
     try:
         for k in range(6):
-            buf = np.full(MIB // 4, comm.rank + k, np.float32)
+            buf = np.full(n, comm.rank + k, np.float32)
             comm.broadcast(buf, root=0)
-            exact.append(bool(np.all(buf == k)) and comm.last_stats()["algorithm"] == "direct_shm")
-            x = np.full(MIB // 4, comm.rank + 1, np.float32)
+            exact.append(bool(np.all(buf == k)) and comm.last_stats()["algorithm"] == algorithm)
+            x = np.full(n, comm.rank + 1, np.float32)
             comm.reduce(x, op="sum", root=1)
             exact.append(comm.rank == 0 or bool(np.all(x == 3)))
     finally:
@@ -446,11 +446,13 @@ def reader_runs_ahead(comm):
     return exact
 
 
-def test_a_rank_that_reads_nothing_finds_its_peer_after_it_moved_on(pool):
+@pytest.mark.parametrize("n,algorithm", [(MIB, "direct_shm"), (MIB // 4, "direct_pipe")])
+def test_a_rank_that_reads_nothing_finds_its_peer_after_it_moved_on(pool, n, algorithm):
     """The fingerprints stay in a ring of entries, not one the reader overwrites with
     its next call's (before, the late rank waited for the reader's entry of a call the
-    reader had finished, until the no-progress timeout)."""
-    for per_rank in pool.run(reader_runs_ahead, timeout=60):
+    reader had finished, until the no-progress timeout). 4 MiB calls read, 1 MiB ones
+    go through the pipe (pipe_steps.py), where the reader posts nothing either."""
+    for per_rank in pool.run(reader_runs_ahead, n, algorithm, timeout=60):
         assert per_rank == [True] * 12, per_rank
 
 
@@ -485,8 +487,8 @@ def async_in_flight(comm):
 
 
 def test_direct_reads_in_flight_together_complete_exactly(pool):
-    for algorithms, exact in pool.run(async_in_flight):
-        assert algorithms == ["direct_shm"] * 8 and exact
+    for algorithms, exact in pool.run(async_in_flight):  # (the 2 MiB broadcast and reduce: the pipe)
+        assert algorithms == ["direct_shm"] * 6 + ["direct_pipe"] * 2 and exact
 
 
 def pair_state(comm):
