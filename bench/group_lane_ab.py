@@ -8,8 +8,8 @@ another, and MPICH through mpi4py, in alternating processes.
 Each round runs, for each rank count, the same timing under the other
 checkout (PYTHONPATH), under this one, and under MPICH (mpiexec, no mpccs
 code in the processes), back to back. Timing: float32 sum all_reduce (or
---collective: reduce_scatter, all_gather, all_to_all; a size is the input
-of one rank), out of place; per size 30 warm-up calls, then 20 blocks of K back-to-back calls
+--collective: reduce_scatter, all_gather, all_to_all, broadcast and reduce
+from rank 0; a size is the input of one rank), out of place (a broadcast in place); per size 30 warm-up calls, then 20 blocks of K back-to-back calls
 after a barrier (a training loop's calls come back to back), per-call time =
 the block's time / K on the slowest rank, median over the blocks. Writes
 report.md and rounds.json under --out.
@@ -37,7 +37,7 @@ def _calls_per_block(nbytes: int) -> int:
     return 50 if nbytes <= 1 << 10 else 20 if nbytes <= 16 << 10 else 10 if nbytes <= 64 << 10 else 5
 
 
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce")
 
 
 def _collective() -> str:
@@ -96,7 +96,10 @@ def rank_mpccs() -> None:
     import mpccs
 
     comm = mpccs.init()
-    res = _time_sizes(getattr(comm, _collective()), comm.barrier,
+    name = _collective()
+    call = {"broadcast": lambda send, out: comm.broadcast(send, root=0),
+            "reduce": lambda send, out: comm.reduce(send, out, root=0)}.get(name) or getattr(comm, name)
+    res = _time_sizes(call, comm.barrier,
                       lambda t: comm.all_reduce(t, np.empty_like(t), op="max"), comm.size,
                       lambda: comm.last_stats()["algorithm"])
     x = np.ones(2, np.float32)
@@ -112,7 +115,9 @@ def rank_mpi() -> None:
 
     comm = MPI.COMM_WORLD
     call = {"all_reduce": comm.Allreduce, "reduce_scatter": comm.Reduce_scatter_block,
-            "all_gather": comm.Allgather, "all_to_all": comm.Alltoall}[_collective()]
+            "all_gather": comm.Allgather, "all_to_all": comm.Alltoall,
+            "broadcast": lambda send, out: comm.Bcast(send, root=0),
+            "reduce": lambda send, out: comm.Reduce(send, out, root=0)}[_collective()]
     res = _time_sizes(call, comm.Barrier, lambda t: _mpi_max(comm, t), comm.size)
     if comm.rank == 0:
         print("RESULT " + json.dumps(res), flush=True)
@@ -147,7 +152,7 @@ def run_mpi(n: int) -> dict:
 
 
 def report(rounds: list, old: str, worlds: tuple, name: str = "all_reduce") -> list:
-    lines = [f"# {name} of 3 and 4 ranks: this checkout against {old}, and MPICH", "",
+    lines = [f"# {name} of {' and '.join(str(n) for n in worlds)} ranks: this checkout against {old}, and MPICH", "",
              "Per-call time in us, float32 sum, out of place, slowest rank, median of 20 blocks of back-to-back "
              "calls (a size: one rank's input); per round old / new / MPICH; then the medians of the rounds' "
              "ratios.", "",
