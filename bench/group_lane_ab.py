@@ -1,4 +1,4 @@
-"""Collectives of 3 and 4 ranks on one host: this checkout against
+"""Collectives of 2-4 ranks on one host (by default 3 and 4): this checkout against
 another, and MPICH through mpi4py, in alternating processes.
 
     git worktree add /tmp/old <rev>
