@@ -779,11 +779,12 @@ class Communicator:
                 or plan.schedule.max_stage_send() * itemsize < self._engine.controller.config.min_multipath_bytes)
 
     def _direct_by_pipe(self, collective: str, block_bytes: int) -> bool:
-        """A 2-rank reduce_scatter, all_gather, all_to_all, broadcast or reduce whose
-        part lies above the lane's bound and within the outbox (pipe_steps.takes),
-        on a pair with the segments open, under policy 'up' or 'adaptive' (why
-        'adaptive' too: _direct_by_cma), goes through the outboxes in chunks
-        (direct_ops.DirectPipeBlocksOp). The same answer on every rank."""
+        """A 2-rank call whose part pipe_steps.takes (a broadcast or reduce above the
+        lane's bound up to the outbox's 2 MiB, an all_gather's block up to 768 KiB),
+        on a pair with the segments open, reads across processes or not, under
+        policy 'up' or 'adaptive' (why 'adaptive' too: _direct_by_cma), goes through
+        the outboxes in chunks (direct_ops.DirectPipeBlocksOp). The same answer on
+        every rank."""
         return (self._engine.shm is not None and self._policy in (UP, "adaptive")
                 and pipe_steps.takes(collective, block_bytes))
 

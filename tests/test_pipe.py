@@ -282,9 +282,19 @@ def test_pipe_calls_are_exact(pool, policy):
         assert per_rank == [("direct_pipe", True)] * len(LIVE_CALLS), per_rank
 
 
+def test_a_pair_that_does_not_read_across_processes_takes_the_pipe_too():
+    """MPCCS_CMA=0: the segments stay open, and the pipe needs nothing else."""
+    ranks = RankPool(2, env={"MPCCS_CMA": "0"})
+    try:
+        for per_rank in ranks.run(live_calls, "up"):
+            assert per_rank == [("direct_pipe", True)] * len(LIVE_CALLS), per_rank
+    finally:
+        ranks.close()
+
+
 def beside_the_pipe(comm):
     """What does not take the pipe: a fixed split, an algorithm asked for, the
-    collectives it lost at, all_gather above its bound. (call, algorithm)."""
+    collectives it lost at, all_gather above its bound. {call: algorithm}."""
     seen = {}
     comm.set_path_policy(0.8)
     comm.broadcast(np.ones(MIB // 4, np.float32))

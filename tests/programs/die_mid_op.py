@@ -4,7 +4,10 @@ Each survivor prints how long it took to raise and what it raised, then checks
 that the communicator refuses further use. With "mid-steps" after the count, rank 1
 dies inside the steps that read across processes instead (cma_steps.py: a 4 MiB
 all_reduce's direct path on 2 ranks; group_read_steps.py on 3 or more), after it
-posted its buffers: the others may be reading them or waiting on a flag.
+posted its buffers: the others may be reading them or waiting on a flag. With
+"pipe", the call is a broadcast from rank 1 (2 ranks: through the pipe,
+pipe_steps.py, from above 384 KiB to 2 MiB), and rank 1 dies inside its steps
+after it posted its first chunk: rank 0 took that one and waits for the next.
 """
 import os
 import signal
@@ -18,9 +21,19 @@ import mpccs
 comm = mpccs.init()
 x = np.ones(int(sys.argv[1]) if len(sys.argv) > 1 else 1 << 20, np.float32)
 mid_steps = sys.argv[2:] == ["mid-steps"]
-comm.all_reduce(x)  # warm: endpoints and schedules exist
+pipe = sys.argv[2:] == ["pipe"]
+call = (lambda: comm.broadcast(x, root=1)) if pipe else (lambda: comm.all_reduce(x))
+call()  # warm: endpoints and schedules exist
 comm.barrier()
-if comm.rank == 1 and mid_steps:
+if comm.rank == 1 and pipe:
+    from mpccs import pipe_steps
+
+    def die_after_the_first_chunk(steps):
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    pipe_steps.PipeSteps.advance = die_after_the_first_chunk
+elif comm.rank == 1 and mid_steps:
     from mpccs import cma_steps, group_read_steps
 
     def die(steps, *args):
@@ -34,11 +47,11 @@ elif comm.rank == 1:
     os.kill(os.getpid(), signal.SIGKILL)
 start = time.monotonic()
 try:
-    comm.all_reduce(x)
+    call()
     print("RESULT completed", flush=True)
 except mpccs.MpccsError as exc:
     print(f"RESULT {time.monotonic() - start:.2f} {type(exc).__name__}: {exc}", flush=True)
     try:
-        comm.all_reduce(x)
+        call()
     except mpccs.CommunicatorAborted:
         print("RESULT aborted", flush=True)
