@@ -53,11 +53,12 @@ def code_text(codes: dict) -> str:
 
 
 def size_text(n: int) -> str:
-    """A report's size label: 8 B, 64 KiB, 16 MiB."""
+    """A report's size label: 8 B, 64 KiB, 16 MiB; a size between whole units in the
+    smaller one (1536 KiB, not "1 MiB": two sizes must not read alike)."""
     for unit, shift in (("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
+        if n >= 1 << shift and n % (1 << shift) == 0:
             return f"{n >> shift} {unit}"
-    return f"{n} B"
+    return f"{n >> 10} KiB" if n >= 1 << 10 and n % (1 << 10) == 0 else f"{n} B"
 
 
 def noise_floor(times_a, times_a2) -> float:

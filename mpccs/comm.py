@@ -780,13 +780,14 @@ class Communicator:
 
     def _direct_by_pipe(self, collective: str, block_bytes: int) -> bool:
         """A 2-rank call whose part pipe_steps.takes (a broadcast or reduce above the
-        lane's bound up to the outbox's 2 MiB, an all_gather's block up to 768 KiB),
-        on a pair with the segments open, reads across processes or not, under
-        policy 'up' or 'adaptive' (why 'adaptive' too: _direct_by_cma), goes through
-        the outboxes in chunks (direct_ops.DirectPipeBlocksOp). The same answer on
-        every rank."""
-        return (self._engine.shm is not None and self._policy in (UP, "adaptive")
-                and pipe_steps.takes(collective, block_bytes))
+        lane's bound up to the outbox's 2 MiB; on a pair that does not read across
+        processes, an all_gather's block up to 768 KiB too), on a pair with the
+        segments open, under policy 'up' or 'adaptive' (why 'adaptive' too:
+        _direct_by_cma), goes through the outboxes in chunks
+        (direct_ops.DirectPipeBlocksOp). The same answer on every rank."""
+        pair = self._engine.shm
+        return (pair is not None and self._policy in (UP, "adaptive")
+                and pipe_steps.takes(collective, block_bytes, pair.cma))
 
     def _direct_by_cma(self, collective: str, block_bytes: int, call_bytes: int) -> bool:
         """On a pair that reads across processes (transports/shm.py: both ranks agreed

@@ -58,13 +58,20 @@ DIRECT_CMA_MAX_BYTES = 256 << 20
 # A 2-rank reduce_scatter, all_gather or all_to_all with blocks in this range,
 # or broadcast or reduce of a buffer in it, takes the direct path on such a pair
 # too, each rank reading the block it needs straight into its output
-# (DirectShmBlocksOp): from where the direct path's messages stop (blocks under
-# 1 MiB, comm._direct_medium) to half the all_reduce's bound. With 32 MiB blocks
+# (DirectShmBlocksOp), up to half the all_reduce's bound. From 512 KiB: against
+# the direct path's messages (bench/results/cma_blocks_s31/, this checkout against
+# one bounded at 1 MiB, alternating processes, 4-5 rounds, three runs) the reads
+# were 1.16-1.46x faster for all_gather and all_to_all at 512-768 KiB blocks,
+# 1.02-1.19x for reduce_scatter, 1.05-1.28x for broadcast, 1.07-1.08x for reduce;
+# at 256 KiB 0.86-0.87x (noise-level, and the lane takes most calls there). An
+# earlier measurement (before blocking calls ran their steps without an
+# Operation) had the messages ahead below 1 MiB. A broadcast or reduce up to 2 MiB
+# takes the pipe first (pipe_steps.py: 1.06-1.53x the reads). With 32 MiB blocks
 # (medians of five, two interleaved rounds, not committed) against the DAG:
 # reduce_scatter 7.9-8.4 ms against 36-40 (ring), all_gather 9.1-9.7 / 19-21
 # (ring), all_to_all 10.3-10.4 / 21 (pairwise), broadcast 3.0-3.4 / 8.6-8.7 and
 # reduce 6.9-7.0 / 25-27 (tree).
-DIRECT_CMA_BLOCK_BYTES = (1 << 20, 128 << 20)
+DIRECT_CMA_BLOCK_BYTES = (512 << 10, 128 << 20)
 # How long a rank that took the segments polls for its peer's fingerprint there
 # before it sleeps on the planes' events (DirectShmAllReduceOp).
 PEER_SPIN_S = 200e-6

@@ -89,11 +89,11 @@ def render(info: dict) -> str:
         f"# qos: out_cap_share={info['qos']['out_cap_share']:g}  out_cap_rate="
         + ("none" if info["qos"]["out_cap_rate_Bps"] is None else f"{info['qos']['out_cap_rate_Bps'] * 8 / 1e6:g} Mbit/s (paced)"),
         "# shared-memory segments: " + ("open (2-rank calls to 384 KiB whole, medium all_reduce halves, broadcast "
-                                        "and reduce to 2 MiB and all_gather blocks to 768 KiB in chunks)"
+                                        "and reduce to 2 MiB in chunks)"
                                         if info["shm_segments"] else
                                         "closed (not 2 ranks on one host with a shared-memory 'up', or MPCCS_SHM=0)"),
         "# cross-memory reads: " + ("on (2-rank all_reduce to 256 MiB; reduce_scatter, all_gather, all_to_all "
-                                    "blocks of 1-128 MiB, broadcast, reduce of 2-128 MiB)"
+                                    "blocks of 512 KiB-128 MiB, broadcast, reduce of 2-128 MiB)"
                                     if info["cma_reads"] else
                                     "off (no segments, MPCCS_CMA=0, or the kernel refused a cross-memory read)"),
         "# group segments (3-8 ranks on one host): " + (

@@ -3,8 +3,9 @@ part (direct_ops.peer_part: what the peer needs of this rank) goes through the
 shared-memory outboxes (transports/shm.py) in chunks: its owner copies each
 chunk in and posts it, and the peer copies it out into its output (or reduces
 it there with its own operand) as soon as it is posted, while the owner copies
-the next. The pipe: direct_ops.DirectPipeBlocksOp, for parts above the lane's
-bound and within the outbox (PIPE_MAX_BYTES).
+the next. The pipe: direct_ops.DirectPipeBlocksOp, for a broadcast's or reduce's
+buffer above the lane's bound and within the outbox (PIPE_MAX_BYTES), and, on a
+pair that does not read across processes, an all_gather's block up to 768 KiB.
 
 Why: a block there went as one UCX message per peer (a rendezvous and the
 scale-up plane's cross-process read) or, from 1 MiB, as one cross-memory read
@@ -50,16 +51,19 @@ from .reduce import reduce_to
 from .transports.shm import FLAG_CHUNKS, FLAG_PIPE_SHAPE, FLAG_TAKEN, LANE_MAX_BYTES, OUTBOX_BYTES
 
 # The largest part that goes through the pipe, per collective: the rooted ones to
-# the outbox's size, all_gather to where reading the peer's block is as fast.
-# 2 ranks, float32, this checkout against the paths before it (UCX messages below
-# 1 MiB, reads from there), three alternating rounds (bench/results/pipe_s32/):
-# reduce 1.36-1.52x at 512 KiB-1 MiB and 1.21x at 2 MiB, broadcast 0.96x at 512
-# KiB and 1.06-1.14x at 768 KiB-2 MiB (one rank copies in while the other copies
-# out: the reads leave that to the reader alone); all_gather 1.15x at 512 KiB,
-# 1.03x at 768 KiB, 0.73-0.77x at 1-2 MiB. all_to_all (0.71-0.94x) and
-# reduce_scatter (0.74-0.86x) lost everywhere: both ranks copy all the time, and
-# the outbox adds a pass over every byte.
-PIPE_MAX_BYTES = {"broadcast": OUTBOX_BYTES, "reduce": OUTBOX_BYTES, "all_gather": 768 << 10}
+# the outbox's size on every pair; all_gather, on a pair that does not read across
+# processes, to where its messages win. 2 ranks, float32, this checkout against the
+# paths before it (UCX messages below 1 MiB, reads from there), alternating
+# processes, 5 rounds (bench/results/pipe_s32/): reduce 1.20-1.53x at 512 KiB-2 MiB,
+# broadcast 0.97x at 512 KiB and 1.06-1.16x at 768 KiB-2 MiB (one rank copies in
+# while the other copies out; the reads leave the whole copy to the reader);
+# all_gather 1.13x at 512 KiB, 1.02 at 768 KiB against the messages, but 0.83-0.84x
+# against reading its blocks (the reads from 512 KiB: direct_ops.DIRECT_CMA_BLOCK_BYTES),
+# and 0.73-0.77x at 1-2 MiB. all_to_all (0.71-0.94x) and reduce_scatter (0.74-0.86x)
+# lost everywhere: both ranks copy all the time, and the outbox adds a pass over
+# every byte.
+PIPE_MAX_BYTES = {"broadcast": OUTBOX_BYTES, "reduce": OUTBOX_BYTES}
+PIPE_MAX_BYTES_WITHOUT_READS = {**PIPE_MAX_BYTES, "all_gather": 768 << 10}
 # The outbox's pages stay in the writer's cache while the peer reads them: 128 KiB
 # chunks copied 1.06-1.25x faster than 256-512 KiB ones at 512 KiB-2 MiB (both
 # ranks' steps in one process); 32-64 KiB lost to the per-chunk cost.
@@ -67,11 +71,13 @@ PIPE_CHUNK_BYTES = 128 << 10
 CHUNK_SPAN = 1 << 16  # FLAG_CHUNKS = seq x CHUNK_SPAN + chunks: more than a part has chunks
 
 
-def takes(collective: str, block_bytes: int) -> bool:
+def takes(collective: str, block_bytes: int, reads: bool) -> bool:
     """Whether a 2-rank call whose part is ``block_bytes`` (comm._block_bytes:
     the same on both ranks) goes through the pipe: above the lane's bound (the
-    lane takes those whole), within PIPE_MAX_BYTES."""
-    return LANE_MAX_BYTES < block_bytes <= PIPE_MAX_BYTES.get(collective, 0)
+    lane takes those whole), within PIPE_MAX_BYTES (``reads``: the pair reads
+    across processes, ShmPair.cma; else PIPE_MAX_BYTES_WITHOUT_READS)."""
+    bounds = PIPE_MAX_BYTES if reads else PIPE_MAX_BYTES_WITHOUT_READS
+    return LANE_MAX_BYTES < block_bytes <= bounds.get(collective, 0)
 
 
 class PipeSteps:

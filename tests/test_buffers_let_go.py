@@ -73,7 +73,7 @@ DIRECT_CASES = [
     (("reduce_scatter", 4 * MIB, False, False), "direct_shm"),
     (("all_gather", 1 * KIB, False, True), "direct_lane"),
     # the pipe (pipe_steps.py), with or without reads: steps alone, and an async call's Operation
-    (("all_gather", 1 * MIB, False, False), "direct_pipe"),
+    (("reduce", 1 * MIB, False, False), "direct_pipe"),
     (("broadcast", 2 * MIB, True, False), "direct_pipe"),
     (("broadcast", 1 * MIB, True, True), "direct_pipe"),
 ]

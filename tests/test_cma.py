@@ -331,7 +331,7 @@ def test_direct_all_reduce_reads_its_halves_bit_exactly(pool, policy):
 def beyond_and_besides(comm):
     """Where the direct reads do not apply: over the bounds (lowered here to 16 MiB
     and 8 MiB blocks, not to move 256 MiB), a fixed split, an algorithm asked for,
-    blocks under 1 MiB."""
+    blocks under 512 KiB (and above the lane's bound)."""
     import mpccs.comm as comm_module
 
     seen = {}
@@ -353,7 +353,7 @@ def beyond_and_besides(comm):
     comm.set_path_policy("up")
     comm.all_reduce(np.ones(MIB, np.float32), algorithm="ring")
     seen["algorithm asked"] = comm.last_stats()["algorithm"]
-    comm.reduce_scatter(np.ones(MIB // 4, np.float32), np.empty(MIB // 8, np.float32))  # 512 KiB blocks
+    comm.reduce_scatter(np.ones(2 * 112 << 10, np.float32), np.empty(112 << 10, np.float32))  # 448 KiB blocks
     seen["reduce_scatter under the bound"] = comm.last_stats()["algorithm"]
     return seen
 

@@ -285,7 +285,13 @@ def direct_all_gather_paths(comm):
             whole[me * n:(me + 1) * n] = np.arange(n) + 10 * me
             comm.all_gather(whole[me * n:(me + 1) * n], whole)
             out[name + "_in_place"] = (bool(np.array_equal(whole, expected)), comm.last_stats()["algorithm"])
+    out["pair_reads"] = _pair_reads(comm)
     return out
+
+
+def _pair_reads(comm) -> bool:
+    """2 ranks whose segments read across processes: blocks from 512 KiB are read (DirectShmBlocksOp)."""
+    return comm._engine.shm is not None and comm._engine.shm.cma
 
 
 # (largest block on the direct path, smallest above it), 2 and 3 ranks: a ring
@@ -309,7 +315,8 @@ def _small_path(world: str, nbytes: int, blocks: bool = False) -> str:
 @pytest.mark.parametrize("world", ["2", "3"])
 def test_all_gather_direct_paths(pools, world):
     for r in pools(world).run(direct_all_gather_paths):
-        largest = "direct" if world == "2" else _small_path(world, GATHER_BOUND[0])
+        largest = ("direct_shm" if r["pair_reads"] else "direct") if world == "2" else \
+            _small_path(world, GATHER_BOUND[0])
         for case, path in (("small", _small_path(world, 3 * 4)), ("medium", _small_path(world, 50_001 * 4)),
                            ("largest", largest)):
             assert r[case] == (True, path) and r[case + "_in_place"] == (True, path), r
@@ -340,6 +347,7 @@ def direct_block_paths(comm):
             expected = np.concatenate([np.arange(me * n, (me + 1) * n, dtype=np.float32) + 1000 * r for r in range(p)])
             out["a2a", name] = (bool(np.array_equal(got, expected)), comm.last_stats()["algorithm"])
     out["group_reads"] = getattr(comm._group, "cma", False)
+    out["pair_reads"] = _pair_reads(comm)
     return out
 
 
@@ -350,8 +358,9 @@ def test_reduce_scatter_and_all_to_all_direct_paths(pools, world):
             for case in ("empty", "small", "medium", "largest"):
                 # The largest blocks (3 MiB of input on 3 ranks): a reduce_scatter within the group
                 # lane's bound for blocks (4 MiB), an all_to_all above its own (2 MiB: read across
-                # processes where the group may); on 2 ranks the direct messages.
-                largest = "direct" if world == "2" else _small_path(world, GATHER_BOUND[0] * 3, blocks=True)
+                # processes where the group may); on 2 ranks read across processes where the pair may.
+                largest = ("direct_shm" if r["pair_reads"] else "direct") if world == "2" else \
+                    _small_path(world, GATHER_BOUND[0] * 3, blocks=True)
                 if world == "3" and kind == "a2a":
                     largest = "group_reads" if r["group_reads"] else "direct"
                 path = largest if case == "largest" else _small_path(world, SMALL_BLOCKS[case] * 4 * int(world),

@@ -211,19 +211,21 @@ def test_operations_back_to_back_reuse_the_outboxes(monkeypatch):
         assert bufs[0].tobytes() == bufs[1].tobytes() == inputs(seq % 2, m, "float32").tobytes()
 
 
-@pytest.mark.parametrize("collective,nbytes,expected", [
-    ("broadcast", 384 * KIB, False),  # the lane's
-    ("broadcast", 384 * KIB + 1, True),
-    ("reduce", 2 * MIB, True),
-    ("reduce", 2 * MIB + 1, False),  # over the outbox: the reads
-    ("all_gather", 768 * KIB, True),
-    ("all_gather", MIB, False),
-    ("all_to_all", 512 * KIB, False),
-    ("reduce_scatter", 512 * KIB, False),
-    ("all_reduce", 512 * KIB, False),
+@pytest.mark.parametrize("collective,nbytes,reads,expected", [
+    ("broadcast", 384 * KIB, True, False),  # the lane's
+    ("broadcast", 384 * KIB + 1, True, True),
+    ("reduce", 2 * MIB, True, True),
+    ("reduce", 2 * MIB, False, True),
+    ("reduce", 2 * MIB + 1, True, False),  # over the outbox: the reads
+    ("all_gather", 512 * KIB, True, False),  # the reads (from 512 KiB), or below them the messages
+    ("all_gather", 768 * KIB, False, True),  # a pair that does not read
+    ("all_gather", MIB, False, False),
+    ("all_to_all", 512 * KIB, False, False),
+    ("reduce_scatter", 512 * KIB, False, False),
+    ("all_reduce", 512 * KIB, False, False),
 ])
-def test_what_takes_the_pipe(collective, nbytes, expected):
-    assert pipe_steps.takes(collective, nbytes) is expected
+def test_what_takes_the_pipe(collective, nbytes, reads, expected):
+    assert pipe_steps.takes(collective, nbytes, reads) is expected
 
 
 # -- live ranks -----------------------------------------------------------------
@@ -241,6 +243,9 @@ LIVE_CALLS = [
     ("reduce", 512 * KIB + 8, "int64", "prod", False, 1),
     ("reduce", MIB + 4, "float32", "avg", True, 0),
     ("reduce", 2 * MIB, "bfloat16", "max", False, 1),
+]
+# On a pair that does not read across processes, all_gather's blocks too.
+LIVE_CALLS_WITHOUT_READS = LIVE_CALLS + [
     ("all_gather", 500 * KIB + 4, "float32", "sum", False, 0),
     ("all_gather", 768 * KIB, "uint8", "sum", True, 0),
 ]
@@ -271,9 +276,9 @@ def _call(comm, collective, nbytes, dtype, op, in_place, root):
     return comm.last_stats()["algorithm"], out.tobytes() == expected.tobytes()
 
 
-def live_calls(comm, policy):
+def live_calls(comm, policy, cases=LIVE_CALLS):
     comm.set_path_policy(policy)
-    return [_call(comm, *case) for case in LIVE_CALLS]
+    return [_call(comm, *case) for case in cases]
 
 
 @pytest.mark.parametrize("policy", ["up", "adaptive"])
@@ -286,15 +291,16 @@ def test_a_pair_that_does_not_read_across_processes_takes_the_pipe_too():
     """MPCCS_CMA=0: the segments stay open, and the pipe needs nothing else."""
     ranks = RankPool(2, env={"MPCCS_CMA": "0"})
     try:
-        for per_rank in ranks.run(live_calls, "up"):
-            assert per_rank == [("direct_pipe", True)] * len(LIVE_CALLS), per_rank
+        for per_rank in ranks.run(live_calls, "up", LIVE_CALLS_WITHOUT_READS):
+            assert per_rank == [("direct_pipe", True)] * len(LIVE_CALLS_WITHOUT_READS), per_rank
     finally:
         ranks.close()
 
 
 def beside_the_pipe(comm):
     """What does not take the pipe: a fixed split, an algorithm asked for, the
-    collectives it lost at, all_gather above its bound. {call: algorithm}."""
+    collectives it lost at, all_gather where the pair reads (or above 768 KiB).
+    {call: algorithm}."""
     seen = {}
     comm.set_path_policy(0.8)
     comm.broadcast(np.ones(MIB // 4, np.float32))
@@ -308,6 +314,9 @@ def beside_the_pipe(comm):
     seen["reduce_scatter"] = comm.last_stats()["algorithm"]
     comm.all_gather(np.ones(MIB // 4, np.float32), np.empty(MIB // 2, np.float32))  # 1 MiB blocks
     seen["all_gather over its bound"] = comm.last_stats()["algorithm"]
+    if comm._engine.shm.cma:
+        comm.all_gather(np.ones(MIB // 8, np.float32), np.empty(MIB // 4, np.float32))  # 512 KiB blocks
+        seen["all_gather on a pair that reads"] = comm.last_stats()["algorithm"]
     return seen
 
 
@@ -315,6 +324,10 @@ def test_the_pipe_takes_only_its_calls(pool):
     for seen in pool.run(beside_the_pipe):
         assert "direct_pipe" not in seen.values(), seen
         assert seen["algorithm asked"] == "pipeline"
+
+
+def pair_reads(comm):
+    return comm._engine.shm.cma
 
 
 def in_flight_together(comm):
@@ -340,8 +353,9 @@ def in_flight_together(comm):
 
 
 def test_pipe_calls_in_flight_with_others_complete_exactly(pool):
+    gather_path = "direct_shm" if pool.run(pair_reads)[0] else "direct_pipe"  # (600 KB blocks)
     for algorithms, exact in pool.run(in_flight_together):
-        assert algorithms == ["direct_pipe", "direct_shm", "direct_pipe", "direct_pipe", "direct_pipe",
+        assert algorithms == ["direct_pipe", "direct_shm", "direct_pipe", "direct_pipe", gather_path,
                               "direct_shm", "direct_pipe"] and exact, algorithms
 
 
