@@ -8,8 +8,8 @@ those requests costs Python and UCX time per call. Here a block is one
 process_vm_readv (the same single copy UCX's cma transport makes) and a flag.
 The direct path's 2-rank all_reduce above the outboxes' size (where their
 extra local copies lost: direct_ops.DirectShmAllReduceOp) and its
-reduce_scatter, all_gather, all_to_all, broadcast and reduce of 1-128 MiB blocks
-(DirectShmBlocksOp; broadcast and reduce from above the pipe's 2 MiB: pipe_steps.py) run so.
+reduce_scatter, all_gather and all_to_all of 512 KiB-128 MiB blocks and broadcast
+and reduce of 2-128 MiB (DirectShmBlocksOp; below, the pipe: pipe_steps.py) run so.
 
 The blocks are those of two_step._geometry (all_to_all: _blocks): this rank's
 operand of the block it owns ``mine_in``, that block's result ``mine_out``, its
