@@ -830,10 +830,12 @@ class Communicator:
             kind, segments, extra = GroupReadsOp, self._group, {"group": self._group}
         elif name == "all_reduce" and self._through_segments(send):
             kind = DirectShmAllReduceOp
-        elif name in CMA_BLOCK_COLLECTIVES and self._direct_by_pipe(name, _block_bytes(name, send, out, self.size)):
-            kind = DirectPipeBlocksOp
-        elif name in CMA_BLOCK_COLLECTIVES and self._direct_by_cma(name, _block_bytes(name, send, out, self.size), 0):
-            kind = DirectShmBlocksOp
+        elif name in CMA_BLOCK_COLLECTIVES:
+            block = _block_bytes(name, send, out, self.size)
+            if self._direct_by_pipe(name, block):
+                kind = DirectPipeBlocksOp
+            elif self._direct_by_cma(name, block, 0):
+                kind = DirectShmBlocksOp
         elif name == "all_reduce" and send.nbytes >= DIRECT_BLOCKS_MIN_BYTES:
             kind = DirectBlocksAllReduceOp
         fp = self._direct_fingerprint(name, op, send, kind.algorithm, root)  # (every caller checked usability)
