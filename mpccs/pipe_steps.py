@@ -7,16 +7,15 @@ the next. The pipe: direct_ops.DirectPipeBlocksOp, for a broadcast's or reduce's
 buffer above the lane's bound and within the outbox (PIPE_MAX_BYTES), and, on a
 pair that does not read across processes, an all_gather's block up to 768 KiB.
 
-Why: a block there went as one UCX message per peer (a rendezvous and the
-scale-up plane's cross-process read) or, from 1 MiB, as one cross-memory read
-of the peer's buffer (cma_steps.py). Both read the peer's pages from where
-they lie, and the kernel pins a numpy buffer's 4 KiB pages one by one: such a
-read runs at 9-10 GB/s here against 30+ for a copy. Through the outbox each
-chunk is written by its owner and read by its peer while it is still in the
-cache the two cores share; the copies in and out overlap, and every page they
-touch was mapped at set-up. A prototype of it beat the read 1.3-1.9x at
-512 KiB-2 MiB (bench/results/pipe_proto_s31/); in the library: docs/design.md
-("The pipe") and bench/results/pipe_s32/.
+Why: a broadcast's or reduce's buffer there went as one UCX message (below 1 MiB)
+or as one cross-memory read of the peer's buffer (cma_steps.py), either way a
+copy the reader makes alone while the other rank waits. Through the outbox the
+two ranks split it: the owner copies chunk k + 1 in while the peer copies (or
+reduces) chunk k out, each chunk still in cache, every outbox page mapped at
+set-up. Where both ranks copy anyway (all_gather, all_to_all, reduce_scatter)
+the outbox only adds a pass over every byte, and the reads win; the steps take
+those collectives too, so that the measurement can be repeated
+(bench/results/pipe_s32/; docs/design.md, "The pipe").
 
 One operation (``seq``, from 1, the same on both ranks; the ranks met in the
 segments before either takes anything: direct_ops.SegmentMeetingOp):
