@@ -10,6 +10,11 @@ bootstrap intervals and the noise floor, next to the targets (>= 0.90x the
 sum, >= 1.35x up). The controller's start-up runs before each sweep
 (--settle, its own adaptive / up ratio in the report), so the points are
 steady state. It also records each rank's kernel byte counters.
+
+--fixed F adds a fixed split (F of every stage's bytes on up; the rate
+ratio, 0.667 at 2:1, is the best one an oracle would pick) to the same
+interleaving, judged by the same rule: it tells whether the rule can hold
+on this host at all, estimates aside.
 """
 from __future__ import annotations
 
@@ -34,10 +39,11 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 SETTLE_OPS = 12
 
 
-def run_collective(cluster, collective: str, out: str, iters: int, settle: int) -> dict:
+def run_collective(cluster, collective: str, out: str, iters: int, settle: int, fixed: str | None) -> dict:
     path = os.path.join(out, f"{collective}.json")
+    policies = "up,up,out,adaptive" + (f",{fixed}" if fixed else "")
     argv = [sys.executable, "-m", "mpccs.perf", collective, "-b", "16M", "-e", "64M", "-f", "4",
-            "-n", str(iters), "-w", "3", "--policies", "up,up,out,adaptive", "--quiet", "-J", path]
+            "-n", str(iters), "-w", "3", "--policies", policies, "--quiet", "-J", path]
     if settle > 0:
         argv += ["--settle", str(settle)]
     result = cluster.run(argv, timeout=1800, stream=open(os.devnull, "w"))
@@ -47,23 +53,31 @@ def run_collective(cluster, collective: str, out: str, iters: int, settle: int) 
         return json.load(fh)
 
 
-def verdicts(data: dict) -> list[dict]:
+def judged(policy_row: dict, up: dict, out_: dict, floor: float) -> dict:
+    """One policy's two target-1 ratios at one point, paired by iteration, and whether each holds."""
+    t_up, t_out, t = (np.asarray(r["times_us"]) for r in (up, out_, policy_row))
+    sums = 1 / (1 / t_up + 1 / t_out)  # the time the summed bandwidth would give
+    vs_up = ratio_ci(t, t_up, paired=True)
+    vs_sum = ratio_ci(t, sums, paired=True)
+    return {"vs_up": vs_up, "vs_sum": vs_sum, "share_up": policy_row["up_share"],
+            "holds_up": holds(vs_up, 1.35, floor), "holds_sum": holds(vs_sum, 0.90, floor)}
+
+
+def verdicts(data: dict, fixed: str | None = None) -> list[dict]:
     rows = {(r["policy"], r["size"]): r for r in data["rows"]}
     out = []
     for size in sorted({r["size"] for r in data["rows"]}):
         up, up2, out_, ad = (rows[(p, size)] for p in ("up", "up#2", "out", "adaptive"))
         floor = noise_floor(up["times_us"], up2["times_us"])
-        vs_up = ratio_ci(ad["times_us"], up["times_us"], paired=True)
-        # busbw of adaptive over the sum of single-plane busbws, per iteration (paired)
-        t_up, t_out, t_ad = (np.asarray(r["times_us"]) for r in (up, out_, ad))
-        sums = 1 / (1 / t_up + 1 / t_out)  # the time the summed bandwidth would give
-        vs_sum = ratio_ci(t_ad, sums, paired=True)
-        out.append({"collective": data["rows"][0]["collective"], "size": size, "busbw": {p: rows[(p, size)]["busbw"]
-                    for p in ("up", "out", "adaptive")}, "share_up": ad["up_share"], "floor": floor,
-                    "vs_up": vs_up, "vs_sum": vs_sum, "steal": ad.get("steal"),
-                    "host_speed": data.get("meta", {}).get("host_speed"), "settle": data.get("meta", {}).get("settle"),
-                    "code": data.get("meta", {}).get("code"),
-                    "holds_up": holds(vs_up, 1.35, floor), "holds_sum": holds(vs_sum, 0.90, floor)})
+        point = {"collective": data["rows"][0]["collective"], "size": size,
+                 "busbw": {p: rows[(p, size)]["busbw"] for p in ("up", "out", "adaptive")}, "floor": floor,
+                 "steal": ad.get("steal"), "host_speed": data.get("meta", {}).get("host_speed"),
+                 "settle": data.get("meta", {}).get("settle"), "code": data.get("meta", {}).get("code"),
+                 **judged(ad, up, out_, floor)}
+        if fixed:
+            point["fixed"] = {"fraction": fixed, "busbw": rows[(fixed, size)]["busbw"],
+                              **judged(rows[(fixed, size)], up, out_, floor)}
+        out.append(point)
     return out
 
 
@@ -112,13 +126,39 @@ def render(results: list[dict], meta: dict) -> str:
         "|---|---:|---:|---:|---:|---:|---|---|---:|---:|---|---|",
     ]
     for r in results:
-        f = lambda x: f"{x[0]:.2f} [{x[1]:.2f}, {x[2]:.2f}]"  # noqa: E731
         lines.append(
             f"| {r['collective']} | {r['size'] >> 20} MiB | {r['busbw']['up']:.3f} | {r['busbw']['out']:.3f} | "
-            f"{r['busbw']['adaptive']:.3f} | {100 * (r['share_up'] or 0):.0f}% | {f(r['vs_sum'])} | {f(r['vs_up'])} | "
-            f"{r['floor']:.3f} | {_percent(r.get('steal'))} | {'holds' if r['holds_sum'] else 'NOT MET'} | "
-            f"{'holds' if r['holds_up'] else 'NOT MET'} |")
+            f"{r['busbw']['adaptive']:.3f} | {100 * (r['share_up'] or 0):.0f}% | {_ratio(r['vs_sum'])} | "
+            f"{_ratio(r['vs_up'])} | {r['floor']:.3f} | {_percent(r.get('steal'))} | {_verdict(r['holds_sum'])} | "
+            f"{_verdict(r['holds_up'])} |")
+    fixed = [r for r in results if r.get("fixed")]
+    if fixed:
+        lines += _fixed_lines(fixed)
     return "\n".join(lines) + "\n"
+
+
+def _ratio(x) -> str:
+    return f"{x[0]:.2f} [{x[1]:.2f}, {x[2]:.2f}]"
+
+
+def _verdict(ok: bool) -> str:
+    return "holds" if ok else "NOT MET"
+
+
+def _fixed_lines(results: list[dict]) -> list[str]:
+    """The fixed split next to adaptive, judged against the same up, out and floor (--fixed)."""
+    lines = ["", f"A fixed split ({results[0]['fixed']['fraction']} of every stage on `up`), interleaved with the "
+             "policies above and judged by the same rule against the same `up`, `out` and A/A floor: where it "
+             "does not hold either, no split would on this host in this run.", "",
+             "| collective | size | busbw fixed | fixed / (up+out) | fixed / up | adaptive / fixed (time) | "
+             "A/A floor | >= 0.90x sum | >= 1.35x up |", "|---|---:|---:|---|---|---:|---:|---|---|"]
+    for r in results:
+        fx = r["fixed"]
+        lines.append(
+            f"| {r['collective']} | {r['size'] >> 20} MiB | {fx['busbw']:.3f} | {_ratio(fx['vs_sum'])} | "
+            f"{_ratio(fx['vs_up'])} | {fx['vs_up'][0] / r['vs_up'][0]:.2f} | {r['floor']:.3f} | "
+            f"{_verdict(fx['holds_sum'])} | {_verdict(fx['holds_up'])} |")
+    return lines
 
 
 def main() -> int:
@@ -128,23 +168,27 @@ def main() -> int:
     ap.add_argument("--out-rate", default="1.2gbit")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--collectives", default=",".join(COLLECTIVES))
+    ap.add_argument("--fixed", default=None, metavar="F",
+                    help="also time a fixed split (F of the bytes on up, e.g. 0.667) and judge it by the same rule")
     ap.add_argument("--settle", type=int, default=SETTLE_OPS,
                     help="adaptive operations run before each sweep, timed apart (0: the start-up runs in the 16 MiB point)")
     ns = ap.parse_args()
+    if ns.fixed is not None:
+        ns.fixed = f"{float(ns.fixed):g}"  # mpccs-perf labels a fraction's rows so
     os.makedirs(ns.out, exist_ok=True)
     results, counters = [], {}
     with Cluster(n=2, up="tcp", up_rate=ns.up_rate, out_rate=ns.out_rate, log=lambda m: None) as cluster:
         for collective in ns.collectives.split(","):
             before = cluster.counters()
-            data = run_collective(cluster, collective, ns.out, ns.iters, ns.settle)
+            data = run_collective(cluster, collective, ns.out, ns.iters, ns.settle, ns.fixed)
             after = cluster.counters()
             counters[collective] = {
                 str(rank): {plane: after[rank][plane].get("tx_bytes", 0) - before[rank][plane].get("tx_bytes", 0)
                             for plane in ("up", "out")} for rank in range(2)}
-            results += verdicts(data)
+            results += verdicts(data, ns.fixed)
             print(render(results, {"up_rate": ns.up_rate, "out_rate": ns.out_rate, "iters": ns.iters,
                                    "time": time.strftime("%Y-%m-%dT%H:%M:%S")}), flush=True)
-    meta = {"up_rate": ns.up_rate, "out_rate": ns.out_rate, "iters": ns.iters, "settle": ns.settle,
+    meta = {"up_rate": ns.up_rate, "out_rate": ns.out_rate, "iters": ns.iters, "settle": ns.settle, "fixed": ns.fixed,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     text = render(results, meta)
     text += "\nKernel tx bytes per rank and interface during each collective's sweep (the outside view):\n\n"

@@ -172,6 +172,32 @@ def test_testbed_targets_report_gives_ratios_to_the_sum_and_up_and_the_stolen_cp
     assert cells[4:] == ["1.00 [1.00, 1.00]", "1.50 [1.50, 1.50]", "0.000", "12%", "holds", "holds"]
 
 
+def test_testbed_targets_judges_a_fixed_split_by_the_same_rule_and_reports_it_apart():
+    targets = load("testbed_targets")
+    mib = 1 << 20
+    def row(policy, times):
+        return {"collective": "all_reduce", "size": 64 * mib, "policy": policy, "times_us": list(times),
+                "busbw": 1.0, "up_share": 0.66 if policy in ("adaptive", "0.667") else None}
+
+    # up's A/A twin runs 6% slower: the floor (0.06) eats the margin of a fixed split at 0.95x the sum
+    up = [30.0 + 0.5 * (i % 3) for i in range(12)]
+    up2 = [1.06 * t for t in up]
+    data = {"rows": [row("up", up), row("up#2", up2), row("out", [2 * t for t in up]),
+                     row("adaptive", [t / 1.40 for t in up]), row("0.667", [t / 1.425 for t in up])], "meta": {}}
+    (verdict,) = targets.verdicts(data, fixed="0.667")
+    fixed = verdict["fixed"]
+    assert fixed["vs_up"][0] == pytest.approx(1.425) and fixed["vs_sum"][0] == pytest.approx(1.425 / 1.5)
+    assert verdict["floor"] == pytest.approx(0.06) and fixed["holds_up"]
+    assert not fixed["holds_sum"] and not verdict["holds_sum"]  # 0.95 - 0.06 and 0.93 - 0.06 < 0.90
+    text = targets.render([verdict], {"up_rate": "2.4gbit", "out_rate": "1.2gbit", "iters": 12, "time": "now"})
+    assert "A fixed split (0.667 of every stage on `up`)" in text
+    fixed_row = [line for line in text.splitlines() if line.startswith("| all_reduce") and line.count("|") == 10]
+    assert len(fixed_row) == 1 and fixed_row[0].endswith("| NOT MET | holds |") and "| 1.02 |" in fixed_row[0]
+    (plain,) = targets.verdicts(data)
+    assert "fixed" not in plain and "A fixed split" not in targets.render([plain], {
+        "up_rate": "2.4gbit", "out_rate": "1.2gbit", "iters": 12, "time": "now"})
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="steal is read from Linux's /proc/stat")
 def test_host_steal_reads_a_share_while_every_core_spins():
     host = load("host_steal")
