@@ -835,7 +835,7 @@ class CollectiveOp(Operation):
         self.stage_log.append({
             "stage": run.stage.id, "label": run.stage.label, "duration_s": run.t_end - run.t_start,
             "t_start_wall": wall(run.t_start),
-            "bytes_per_plane": dict(run.bytes_by_plane), "split": reason,
+            "bytes_per_plane": dict(run.bytes_by_plane), "arrivals": run.arrival_times(), "split": reason,
         })
 
     def _check(self, req, plane, peer, run) -> None:

@@ -368,6 +368,17 @@ class StageRun:
             got[plane] += nbytes
         return got
 
+    def arrival_times(self) -> dict:
+        """Per plane, when this stage's chunks arrived here, from its start (seconds):
+        the first and the last, and their bytes. The trace's realised side of a
+        split's predicted ``finish_s``: which plane the stage waited for."""
+        seen: dict = {}
+        for (plane, _), (first, last, nbytes, _) in self.arrivals.items():
+            entry = seen.setdefault(plane, [first, last, 0])
+            entry[0], entry[1], entry[2] = min(entry[0], first), max(entry[1], last), entry[2] + nbytes
+        return {plane: {"first_s": round(first - self.t_start, 6), "last_s": round(last - self.t_start, 6),
+                        "bytes": nbytes} for plane, (first, last, nbytes) in seen.items()}
+
     def delivery_samples(self):
         """One delivery sample per (plane, peer) over the whole stage.
 

@@ -4,7 +4,8 @@ run the network.
 - ``MPCCS_TRACE=/tmp/t.jsonl`` writes one JSON line per operation to
   ``/tmp/t.jsonl.rank<k>`` (or replaces ``{rank}`` in the path): the op's
   stats with every stage's decision record (estimates used, predicted times,
-  split, why a plane was dropped or capped) and wall-clock start times.
+  split, why a plane was dropped or capped), when each plane's chunks arrived
+  (``arrivals``) and wall-clock start times.
 - ``Counters`` (``comm.metrics()``) count bytes per plane, operations,
   fallbacks, caps applied, plane failures and errors;
   ``prometheus_text`` renders them in Prometheus' text format.

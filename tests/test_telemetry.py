@@ -54,6 +54,23 @@ def test_trace_lines_carry_stage_decisions(traced):
     assert all(e["dur"] >= 0 for e in slices)
 
 
+def test_trace_stages_say_when_each_plane_delivered(traced):
+    # The realised side of a split: per plane, when this rank received the peer's
+    # chunks in the stage, from its start, and how many bytes (the peer's sends).
+    folder, _ = traced
+    records = read_trace(sorted(str(p) for p in folder.glob("t.jsonl.rank*")))
+    half = {(r["rank"], r["seq"]): r for r in records if r["op"] == "all_reduce" and r["policy"] == "0.5"}
+    assert len(half) == 2
+    for (rank, seq), record in half.items():
+        peer = half[(1 - rank, seq)]
+        for stage, sent in zip(record["stages"], peer["stages"]):
+            arrivals = stage["arrivals"]
+            assert set(arrivals) == {"up", "out"}
+            for plane, seen in arrivals.items():
+                assert seen["bytes"] == sent["bytes_per_plane"][plane] > 0
+                assert 0 <= seen["first_s"] <= seen["last_s"] <= stage["duration_s"] + 1e-6
+
+
 def test_report_cli(traced, tmp_path):
     folder, _ = traced
     files = sorted(str(p) for p in folder.glob("t.jsonl.rank*"))
