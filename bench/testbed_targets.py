@@ -1,6 +1,6 @@
 """Testbed targets: 2 ranks, both planes shaped tcp at 2:1, every collective.
 
-    python bench/testbed_targets.py --out bench/results/testbed            (root; ~5 min)
+    python bench/testbed_targets.py --out bench/results/testbed            (root; ~2-5 min)
 
 For all_reduce, reduce_scatter, all_gather and all_to_all at 16-64 MiB,
 mpccs-perf runs up, up#2 (A/A), out and adaptive interleaved inside the
@@ -11,10 +11,10 @@ sum, >= 1.35x up). The controller's start-up runs before each sweep
 (--settle, its own adaptive / up ratio in the report), so the points are
 steady state. It also records each rank's kernel byte counters.
 
---fixed F adds a fixed split (F of every stage's bytes on up; the rate
-ratio, 0.667 at 2:1, is the best one an oracle would pick) to the same
-interleaving, judged by the same rule: it tells whether the rule can hold
-on this host at all, estimates aside.
+A fixed split at the rate ratio (0.667 at 2:1: the one an oracle that
+knows the shaped rates would pick; --fixed F for another, --fixed none for
+none) runs in the same interleaving, judged by the same rule: it tells
+whether the rule can hold on this host at all, estimates aside.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from stats import code_text, holds, noise_floor, ratio_ci  # noqa: E402
 
 from mpccs.perf import host_speed_text  # noqa: E402
 from mpccs.testbed import Cluster  # noqa: E402
+from mpccs.testbed.netns import parse_rate  # noqa: E402
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 # The controller's start-up: probes at operations 4 and 5, the re-add's check at 8 (docs/controller.md).
@@ -161,6 +162,16 @@ def _fixed_lines(results: list[dict]) -> list[str]:
     return lines
 
 
+def fixed_fraction(choice: str, up_rate: str, out_rate: str) -> str | None:
+    """The fixed split's policy label, as mpccs-perf labels a fraction's rows ("0.667")."""
+    if choice == "none":
+        return None
+    if choice == "ratio":
+        up, out = parse_rate(up_rate), parse_rate(out_rate)
+        return f"{round(up / (up + out), 3):g}"
+    return f"{float(choice):g}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -168,13 +179,13 @@ def main() -> int:
     ap.add_argument("--out-rate", default="1.2gbit")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--collectives", default=",".join(COLLECTIVES))
-    ap.add_argument("--fixed", default=None, metavar="F",
-                    help="also time a fixed split (F of the bytes on up, e.g. 0.667) and judge it by the same rule")
+    ap.add_argument("--fixed", default="ratio", metavar="F",
+                    help="also time a fixed split, F of the bytes on up, and judge it by the same rule "
+                         "(default: the rate ratio up / (up + out); none: no fixed split)")
     ap.add_argument("--settle", type=int, default=SETTLE_OPS,
                     help="adaptive operations run before each sweep, timed apart (0: the start-up runs in the 16 MiB point)")
     ns = ap.parse_args()
-    if ns.fixed is not None:
-        ns.fixed = f"{float(ns.fixed):g}"  # mpccs-perf labels a fraction's rows so
+    ns.fixed = fixed_fraction(ns.fixed, ns.up_rate, ns.out_rate)
     os.makedirs(ns.out, exist_ok=True)
     results, counters = [], {}
     with Cluster(n=2, up="tcp", up_rate=ns.up_rate, out_rate=ns.out_rate, log=lambda m: None) as cluster:

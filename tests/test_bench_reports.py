@@ -193,6 +193,9 @@ def test_testbed_targets_judges_a_fixed_split_by_the_same_rule_and_reports_it_ap
     assert "A fixed split (0.667 of every stage on `up`)" in text
     fixed_row = [line for line in text.splitlines() if line.startswith("| all_reduce") and line.count("|") == 10]
     assert len(fixed_row) == 1 and fixed_row[0].endswith("| NOT MET | holds |") and "| 1.02 |" in fixed_row[0]
+    assert targets.fixed_fraction("ratio", "2.4gbit", "1.2gbit") == "0.667"  # the default: the rate ratio
+    assert targets.fixed_fraction("0.80", "2.4gbit", "1.2gbit") == "0.8"
+    assert targets.fixed_fraction("none", "2.4gbit", "1.2gbit") is None
     (plain,) = targets.verdicts(data)
     assert "fixed" not in plain and "A fixed split" not in targets.render([plain], {
         "up_rate": "2.4gbit", "out_rate": "1.2gbit", "iters": 12, "time": "now"})
