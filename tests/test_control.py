@@ -421,6 +421,20 @@ def test_harmful_second_plane_dropped_then_reprobed_back():
     assert abs(out_share(d, flows) - target) <= 0.05
 
 
+def test_a_check_says_in_its_why_what_asked_for_it():
+    # Shared cores, no solo record yet: the judged joint stages ask for a check,
+    # and the check stage's why names that cause (a trace reader needs it to tell
+    # a check forced by a missing record from one forced by a stale record).
+    cfg, drv, flows = shared_cores()
+    whys = []
+    for _ in range(8):
+        d, _ = drv.step(flows)
+        if mode(d) == "check":
+            whys.append(" ".join(d.reason["ranks"]["0"]["why"]))
+    assert whys, "shared cores always need one check before the drop"
+    assert f"(no solo record within 2x of {flows[0].nbytes} B)" in whys[0]
+
+
 @pytest.mark.parametrize("nbytes, backed_off_to", [(1 * MiB, 8 * 32), (64 * MiB, 8 * 4)])
 def test_failed_probes_of_short_stages_back_off_until_probe_spacing_s_apart(nbytes, backed_off_to):
     """Harmful probes double the interval up to probe_every * probe_backoff_max (32

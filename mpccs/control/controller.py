@@ -162,6 +162,7 @@ class _Mode:
     kind: str                     # "multipath", "single", "check" (solo diagnostic), "probe"
     plane: Optional[str] = None   # plane run alone (check) or re-probed (probe)
     dropped: frozenset = frozenset()
+    cause: str = ""               # why a check was asked for (the trace's why)
 
 
 MISPREDICTIONS_BEFORE_JUDGING = 3
@@ -217,6 +218,7 @@ class _RankState:
     dropped: set = field(default_factory=set)
     solo: dict = field(default_factory=lambda: {p: deque(maxlen=5) for p in PLANES})  # _SoloRecord
     pending_check: Optional[str] = None
+    check_cause: str = ""  # what raised pending_check: the trace says why each check ran
     joint: deque = field(default_factory=lambda: deque(maxlen=JOINT_STAGES_KEPT))  # judged joint stages: (bytes, s)
     regime_at_joint: int = 0
     mispredicted: int = 0  # consecutive settled joint stages the estimates mispredicted
@@ -446,13 +448,14 @@ class PathController:
             st.readd_check_epoch, st.readd_check_op, st.readd_checks = None, epoch, []
         if self._in_readd_check(st, epoch) and not st.dropped:
             st.pending_check = st.readd_keep or solo_planes[0]
+            st.check_cause = "a re-added plane's check operations"
         if st.pending_check is not None:
             plane, st.pending_check = st.pending_check, None
             if plane not in solo_planes:
                 plane = solo_planes[0]
             st.last_check_k = k
             st.checks += 1
-            return _Mode("check", plane=plane, dropped=dropped)
+            return _Mode("check", plane=plane, dropped=dropped, cause=st.check_cause)
         if st.dropped and self._probe_due(st, k, epoch):
             plane = sorted(st.dropped)[0]  # one plane at a time
             st.confirming = st.confirm_epoch is not None and epoch == st.confirm_epoch
@@ -710,7 +713,7 @@ class PathController:
             if mode.dropped:
                 why.append(f"dropped {sorted(mode.dropped)}: realised joint stages slower than one plane alone")
             if mode.kind == "check":
-                why.append(f"check: one stage on {mode.plane} alone to measure its solo rate")
+                why.append(f"check: one stage on {mode.plane} alone to measure its solo rate ({mode.cause})")
             if mode.kind == "probe":
                 why.append(f"probe: {cfg.probe_share:.3f} of each flow on dropped plane {mode.plane}")
             if any(0 < f.nbytes < cfg.min_multipath_bytes and qos.is_borrowable(f) for f in own):
@@ -954,7 +957,7 @@ class PathController:
         best = self._best_solo(st, nbytes, solo_planes)
         if best is None:
             plane = info["best_single"] if info["best_single"] in solo_planes else solo_planes[0]
-            self._request_check(st, src, plane, k)
+            self._request_check(st, src, plane, k, f"no solo record within 2x of {nbytes} B")
             return
         plane = best[0]
         ratio = self._joint_over_solo(st, plane)
@@ -963,7 +966,8 @@ class PathController:
         if len(st.joint) >= JOINT_STAGES_TO_DROP and self._solo_ref_fresh(st, src, plane, k):
             self._drop(st, src, keep=plane, k=k, evidence=self._joint_evidence(st, ratio))
         elif not self._solo_ref_fresh(st, src, plane, k):
-            self._request_check(st, src, plane, k)
+            self._request_check(st, src, plane, k, f"joint stages took {ratio:.2f}x {plane} alone, "
+                                                   f"by a solo record older than {cfg.solo_fresh_decisions} decisions")
 
     def _joint_over_solo(self, st, plane) -> Optional[float]:
         ratios = []
@@ -984,13 +988,16 @@ class PathController:
             return False
         return k - st.solo[plane][-1][0] <= self.config.solo_fresh_decisions
 
-    def _request_check(self, st, src, plane, k) -> None:
+    def _request_check(self, st, src, plane, k, cause: str) -> None:
         # At most one diagnostic stage per probe_every decisions, unless a
         # plane's rate stepped since the last one (new information).
         regime = self.estimator.regime_changes(src)
         if k - st.last_check_k < self.config.probe_every and regime == st.regime_at_check:
             return
+        if regime != st.regime_at_check and k - st.last_check_k < self.config.probe_every:
+            cause += f"; a rate step since the last check ({k - st.last_check_k} decisions ago)"
         st.pending_check = plane
+        st.check_cause = cause
         st.regime_at_check = regime
 
     def _resolve_check(self, st, src, plane, k) -> None:
