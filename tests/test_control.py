@@ -435,6 +435,31 @@ def test_a_check_says_in_its_why_what_asked_for_it():
     assert f"(no solo record within 2x of {flows[0].nbytes} B)" in whys[0]
 
 
+@pytest.mark.parametrize("peers_split", [True, False])
+def test_a_joint_stage_that_received_on_one_plane_is_not_judged(peers_split):
+    # Shared cores: judged joint stages lead to a check and the drop within 8
+    # operations. Where the peer's bytes came on one plane (the peer was
+    # checking, or had dropped), this rank's joint stages ended with the
+    # peer's one-plane data and read as fast as solo: judged, the two ranks of
+    # a testbed pair asked for checks in turn (64 MiB, four in 30 operations).
+    # Not judged, they ask for nothing and drop nothing.
+    cfg, drv, flows = shared_cores()
+    sent_stage = drv.controller.on_stage
+
+    def on_stage(decision, t_start, t_end, bytes_by_plane, rank=None):
+        total = sum(bytes_by_plane.values())
+        received = dict(bytes_by_plane) if peers_split else {"up": total, "out": 0}
+        sent_stage(decision, t_start, t_end, bytes_by_plane, rank=rank, received_by_plane=received)
+
+    drv.controller.on_stage = on_stage
+    modes = [mode(drv.step(flows)[0]) for _ in range(8)]
+    snap = drv.controller.snapshot()["ranks"]["0"]
+    if peers_split:
+        assert "check" in modes and snap["drops"] == 1
+    else:
+        assert "check" not in modes and snap["drops"] == 0 and snap["checks"] == 0, (modes, snap)
+
+
 @pytest.mark.parametrize("nbytes, backed_off_to", [(1 * MiB, 8 * 32), (64 * MiB, 8 * 4)])
 def test_failed_probes_of_short_stages_back_off_until_probe_spacing_s_apart(nbytes, backed_off_to):
     """Harmful probes double the interval up to probe_every * probe_backoff_max (32

@@ -830,6 +830,14 @@ class PathController:
                 self._note_unused(st, src, keep=used[0], k=k)
             return
         st.unused_stages = 0  # both planes carried bytes
+        if info["mode"] == "multipath" and _arrived_on_one_plane(received_by_plane):
+            # The peers sent on one plane (a check, or a drop this rank has not
+            # followed yet): the stage ended with their one-plane data, so its
+            # time says nothing of this rank's split. Judged, it read as fast as
+            # solo and asked for a check of its own (testbed, 64 MiB: the two
+            # ranks checked in turn, four check stages in 30 operations) or,
+            # against a fresh solo record, dropped a plane that paid.
+            return
         # Solo records come from solo stages only. Raised from joint stages
         # (the estimator's rate: early tcp completions, 211 MB/s on a 125 MB/s
         # link; or the stage's own 'up' rate, which judges the stage against
@@ -1426,6 +1434,13 @@ def _probe_grid(st: _RankState, probe_every: int) -> int:
 def _comparable(recorded: int, nbytes: int) -> bool:
     """A stage of ``recorded`` bytes speaks for one of ``nbytes``: within 2x (see _solo_time)."""
     return recorded / 2 <= nbytes <= 2 * recorded
+
+
+def _arrived_on_one_plane(received_by_plane: Optional[Mapping[str, int]]) -> bool:
+    """The peers' bytes of a stage came on one plane only (None: not known, the simulator)."""
+    if not received_by_plane:
+        return False
+    return sum(1 for p in PLANES if received_by_plane.get(p, 0) > 0) == 1
 
 
 def _median_rate(q) -> float:
