@@ -132,6 +132,26 @@ def test_fast_stages_after_a_step_down_neither_step_up_nor_lift_the_estimate():
     assert est.rate(t) == pytest.approx(34e6, rel=0.01)
 
 
+def test_a_sparsely_used_path_is_not_planned_at_one_stalled_stage():
+    # One 64 MiB all_reduce a second or so (interleaved policies; one per
+    # training step): two samples in the 2 s window, and the lower middle of
+    # two is the slower. One stage stalled by its sender's host read 198 MB/s
+    # on a 310 MB/s testbed link and the next operation was planned at it.
+    # The newest older samples make up three; a second slow sample moves it.
+    est, n = PathEstimator(prior_latency_s=10e-6), 21 * MiB
+    t = 0.0
+    for rate in (310e6, 305e6, 315e6, 310e6, 198e6):
+        t += 1.2
+        est.add(n, t, t + n / rate, None)
+    now = t + n / 198e6 + 0.01
+    assert len(est._fresh(est._clean_delays, now)) == 2  # the case: two fresh samples
+    assert est.rate(now) == pytest.approx(310e6, rel=0.02)
+    t += 1.2
+    est.add(n, t, t + n / 200e6, None)
+    assert est.rate(t + 0.2) == pytest.approx(200e6, rel=0.03)  # two of three slow: followed
+    assert est.step_downs == 0  # (neither step rule saw it: 0.64x is above 0.6)
+
+
 def test_estimator_single_chunk_parts_separate_delay_and_rate():
     # Every part fits in one chunk, so every chunk starts an idle plane: a line
     # through (size, latency) recovers both a and B (sizes vary between stages).
