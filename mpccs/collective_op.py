@@ -824,8 +824,10 @@ class CollectiveOp(Operation):
             # 0.8 with 'adaptive') describe splits it did not choose and
             # upset its solo/joint bookkeeping.
             probing = _probing(run.plan, self.rank)
+            split = run.split_senders()
             for plane, sender, nbytes, t_first, t_last in run.delivery_samples():
-                controller.on_delivery(plane, sender, nbytes, t_first, t_last, probe=probing)
+                controller.on_delivery(plane, sender, nbytes, t_first, t_last,
+                                       size_evidence=not probing and sender in split)
         if run.plan is not None and "decision" in run.plan.reason:
             controller.on_stage(run.plan.reason["decision"], run.t_start, run.t_end,
                                 dict(run.bytes_by_plane), received_by_plane=run.received_by_plane())

@@ -368,6 +368,14 @@ class StageRun:
             got[plane] += nbytes
         return got
 
+    def split_senders(self) -> set:
+        """The peers whose chunks reached this rank on both planes in this stage:
+        those that split their flow here (the others sent it whole on one plane)."""
+        planes_of: dict = {}
+        for plane, peer in self.arrivals:
+            planes_of.setdefault(peer, set()).add(plane)
+        return {peer for peer, planes in planes_of.items() if len(planes) > 1}
+
     def arrival_times(self) -> dict:
         """Per plane, when this stage's chunks arrived here, from its start (seconds):
         the first and the last, and their bytes. The trace's realised side of a

@@ -151,7 +151,9 @@ class TwoStepExecutor:
         is never settled, refreshes what the probe is judged against."""
         controller = self.op.engine.controller
         if controller is not None and self.op.splitter.policy == "adaptive" and nbytes >= self.min_sample_bytes:
-            controller.on_delivery(self.plane.name, self.peer, nbytes, self.t_step, time.perf_counter())
+            # Whole blocks on one plane: a rate, not evidence of how time grows with a split's size.
+            controller.on_delivery(self.plane.name, self.peer, nbytes, self.t_step, time.perf_counter(),
+                                   size_evidence=False)
 
     def _report_solo(self) -> None:
         """The two steps as solo stages of 'up' for the controller (adaptive only): what

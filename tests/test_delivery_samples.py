@@ -56,3 +56,11 @@ def test_a_first_chunk_found_at_the_first_look_means_a_punctual_peer():
     run = stage_run(1.0, [("up", 1, MB, t) for t in (1.006, 1.007, 1.008)], {("up", 1): 0.9})
     (_, _, _, start, _), = run.delivery_samples()
     assert start == 1.0
+
+
+def test_split_senders_are_the_peers_whose_chunks_came_on_both_planes():
+    # Peer 1 split its flow; peer 2 sent its flow whole on 'up' (a check, a
+    # dropped plane): its samples tell a rate, not how time grows with a split.
+    run = stage_run(0.0, [("up", 1, MB, 0.01), ("out", 1, MB, 0.02), ("up", 2, MB, 0.01), ("up", 2, MB, 0.02)])
+    assert run.split_senders() == {1}
+    assert stage_run(0.0, []).split_senders() == set()

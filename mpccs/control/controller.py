@@ -777,18 +777,27 @@ class PathController:
         self.estimator.observe(self.rank if src is None else src, plane, peer, nbytes, t_post, t_done)
 
     def on_delivery(self, plane: str, sender: int, nbytes: int, t_start: float, t_last: float,
-                    probe: bool = False) -> None:
+                    size_evidence: bool = True) -> None:
         """Bytes from ``sender`` that arrived here over ``plane`` between
         ``t_start`` and ``t_last``: a sample of the path sender -> this rank.
         Filed under the sender's path and exported for it: a rank that filed
         what it received under its own path *to* the peer took links as
         symmetric, and under load in one direction the two ranks of a pair
         split on each other's numbers (one cut its unloaded link, the other
-        kept 31% of its bytes on the loaded one). ``probe``: the stage was a probe
-        here, so at the sender too (ranks probe together): a rate, not evidence
-        of how latency grows with size (PathEstimator._note_larger)."""
+        kept 31% of its bytes on the loaded one). ``size_evidence``: whether
+        the sample's size tells how the path's time grows as a split moves
+        bytes onto it (PathEstimator._note_larger): not a probe's (a rate
+        measured on a plane idle since its drop), nor a stage whose flow the
+        sender sent whole on this one plane (a check, a dropped plane, the
+        two-step executor): a split never moves its part there a chunk at a
+        time. On the 2.4 / 1.2 Gbit/s testbed a 16 MiB all_reduce's check
+        stages sent 8 MiB whole on 'up' at 300 MB/s beside split stages' 5.2
+        MB at 340-380 (the tbf bucket's burst counts more in a smaller
+        transfer); taken as latency growing faster than size, 'up' was
+        planned at 0.8x its split stages' rate for the next 8 s, 215-265 MB/s,
+        and the split put 0.62 of the bytes on 'up' instead of 0.69."""
         self.estimator.observe(sender, plane, self.rank, nbytes, t_start, t_last, port=self.rank,
-                               size_evidence=not probe)
+                               size_evidence=size_evidence)
 
     def on_stage(self, decision: StageDecision, t_start: float, t_end: float,
                  bytes_by_plane: Mapping[str, int], rank: Optional[int] = None,
