@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 
@@ -37,6 +38,29 @@ def ratio_ci(times_a, times_b, paired: bool, seed: int = 0) -> tuple[float, floa
 def holds(ratio: tuple[float, float, float], target: float, noise_floor: float) -> bool:
     """A target holds when the interval's lower bound minus the A/A noise floor clears it."""
     return ratio[1] - noise_floor >= target
+
+
+def mann_whitney_p(a, b) -> float:
+    """Two-sided p of the Mann-Whitney U test (normal approximation with tie and
+    continuity corrections, as scipy's asymptotic method): for A/Bs whose runs are
+    the samples (alternating testbed runs, one ratio per run and point)."""
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    n1, n2 = len(a), len(b)
+    if n1 == 0 or n2 == 0:
+        return float("nan")
+    both = np.concatenate([a, b])
+    order = both.argsort(kind="mergesort")
+    ranks = np.empty(len(both))
+    ranks[order] = np.arange(1, len(both) + 1)
+    _, inverse, counts = np.unique(both, return_inverse=True, return_counts=True)
+    ranks = np.bincount(inverse, ranks)[inverse] / counts[inverse]  # ties share their mean rank
+    u = ranks[:n1].sum() - n1 * (n1 + 1) / 2
+    n = n1 + n2
+    sigma = np.sqrt(n1 * n2 / 12 * ((n + 1) - (counts ** 3 - counts).sum() / (n * (n - 1))))
+    if sigma == 0:
+        return 1.0
+    z = (abs(u - n1 * n2 / 2) - 0.5) / sigma
+    return float(min(1.0, math.erfc(max(z, 0.0) / math.sqrt(2))))
 
 
 def code_text(codes: dict) -> str:

@@ -2,6 +2,7 @@
 setup_timeline.py, and bench/stats.py's interleaving, on synthetic timings (the runs themselves are
 benchmarks, not tests)."""
 import importlib.util
+import math
 import os
 import sys
 
@@ -241,3 +242,15 @@ def test_group_lane_ab_reports_the_median_ratios_per_rank_count_and_size():
     assert rows[0].split("|")[2].strip() == "8 B" and rows[0].rstrip(" |").endswith("3.00 | 1.00")
     assert "20 / 10 / 20" in rows[0] and "60 / 20 / 10" in rows[0]
     assert lines[-1].endswith("3 ranks direct -> direct_lane")
+
+
+def test_mann_whitney_p_matches_scipys_asymptotic_method():
+    stats = load("stats")
+    # Values from scipy.stats.mannwhitneyu(a, b, method="asymptotic") (scipy 1.16):
+    # no ties, then ties within and across the samples.
+    assert stats.mann_whitney_p([1, 2, 3, 4, 5, 6, 7, 8, 9], [4.5, 6, 7, 8, 9, 10, 11, 12, 13, 14]) == \
+        pytest.approx(0.009980956684238857, rel=1e-9)
+    assert stats.mann_whitney_p([1, 1, 2, 2, 3, 3, 3, 4], [2, 3, 3, 4, 4, 5, 5, 5, 6]) == \
+        pytest.approx(0.016098254978888133, rel=1e-9)
+    assert stats.mann_whitney_p([1.0, 2.0], [1.0, 2.0]) == 1.0
+    assert math.isnan(stats.mann_whitney_p([], [1.0]))
