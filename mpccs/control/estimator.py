@@ -41,8 +41,8 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Optional, Sequence
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Optional
 
 PLANES = ("up", "out")
 IDLE_RATE_SAMPLES = 5  # idle-start samples whose median rate is the estimate (see _fit_idle_only)
@@ -338,10 +338,8 @@ class PathEstimator:
         """
         p = self._pending
         pending = p[0] / p[1] if p[2] and (now is None or now - p[3] <= self.max_age_s) else None
-        clean = self._fresh(self._clean_delays, now)
-        older = [] if now is None else [s for s in self._clean_delays if now - s[0] > self.max_age_s]
-        fresh = _Fresh(self._fresh(self._rounds, now), pending, p[2], clean, self._fresh(self._delays, now),
-                       now=now, older_clean=older[-MIN_RATE_SAMPLES:])
+        fresh = _Fresh(self._fresh(self._rounds, now), pending, p[2],
+                       self._fresh(self._clean_delays, now), self._fresh(self._delays, now), now=now)
         if fresh.rounds or fresh.clean or fresh.delays or pending is not None or not self._delays:
             return fresh
         return _Fresh(list(self._rounds)[-STALE_ROUNDS:], None, 0, list(self._clean_delays)[-IDLE_RATE_SAMPLES:],
@@ -365,11 +363,10 @@ class PathEstimator:
         per-sample rates with that delay removed.
         """
         if fresh.idle_model is _UNSET:
-            fresh.idle_model = self._fit_idle_only(fresh.clean, fresh.now, fresh.older_clean)
+            fresh.idle_model = self._fit_idle_only(fresh.clean, fresh.now)
         return fresh.idle_model
 
-    def _fit_idle_only(self, clean: list, now: Optional[float] = None,
-                       older: Sequence = ()) -> Optional[tuple[float, float]]:
+    def _fit_idle_only(self, clean: list, now: Optional[float] = None) -> Optional[tuple[float, float]]:
         if not clean:
             return None
         a = self._fit_delay(clean)
@@ -392,14 +389,15 @@ class PathEstimator:
         # testbed link) planned the next operation at 189 MB/s, 0.56 of its
         # bytes on 'up' instead of 0.69, and it took 1.27x the others. Below
         # MIN_RATE_SAMPLES fresh ones, the newest older samples make up the
-        # count (``older``); a detected step has cleared them (_idle_step).
+        # count; a detected step has cleared them (_idle_step).
         #
         # Where latency grew faster than size (_superlinear), the rate is the
         # lower of that and the rate of the largest recent transfers: see
         # SUPERLINEAR_MIN_SIZE_RATIO.
         recent = clean[-IDLE_RATE_SAMPLES:]
         if len(recent) < MIN_RATE_SAMPLES:
-            recent = (list(older) + clean)[-MIN_RATE_SAMPLES:]
+            older = [x for x in self._clean_delays if x[0] < clean[0][0]]  # clean: the newest, in order
+            recent = (older + clean)[-MIN_RATE_SAMPLES:]
         rate = _lower_median_rate(recent, a)
         larger = self._larger_rate(clean, a, now)
         if larger is not None:
@@ -499,7 +497,6 @@ class _Fresh:
     stale: bool = False  # nothing was inside the age window: the newest samples stand in
     now: Optional[float] = None
     idle_model: object = _UNSET  # _idle_only_model's fit, computed at most once
-    older_clean: list = field(default_factory=list)  # the newest idle-start samples past the age window
 
 
 class Estimator:
