@@ -277,6 +277,28 @@ def test_whole_flow_stages_beside_split_ones_do_not_set_the_larger_transfers_rat
     assert est.rate(t) == pytest.approx(300e6, rel=0.01)
 
 
+def test_the_larger_transfers_ratio_is_not_applied_to_transfers_near_their_size():
+    # 2.4 / 1.2 Gbit/s testbed, a sweep from 16 to 64 MiB: 2.6 MB parts on 'out' read
+    # 185 MB/s (tbf's burst counts for much in them), the 64 MiB point's first 12.6 MB
+    # parts 150: a ratio of 0.8. The 10.5 MB parts after them read 153 themselves;
+    # the ratio, measured against 2.6 MB transfers, planned them at 122.
+    def sweep_then(n_after, rate_after):
+        est, t = PathEstimator(prior_latency_s=30e-6), 0.0
+        for n, rate in [(2_620_000, 185e6)] * 4 + [(12_580_000, 150e6)] * 2:
+            est.add(n, t, t + n / rate, None)
+            t += n / rate + 0.2
+        assert est._larger is not None and est._larger[3] == pytest.approx(150 / 185, rel=0.02)
+        t += 2.5  # the 12.6 MB parts leave the age window
+        for _ in range(4):
+            est.add(n_after, t, t + n_after / rate_after, None)
+            t += n_after / rate_after + 0.6
+        return est.rate(t)
+
+    assert sweep_then(10_490_000, 153e6) == pytest.approx(153e6, rel=0.01)
+    # ... while transfers of the smaller group's size are still planned by the ratio
+    assert sweep_then(2_620_000, 185e6) == pytest.approx(150e6, rel=0.02)
+
+
 def test_a_link_whose_latency_grows_with_size_keeps_its_rate():
     # Latency a + n / B at mixed sizes (1.2-1.5x apart): the line meets zero size
     # above zero, so the larger transfers set nothing apart.
