@@ -60,6 +60,25 @@ def _wait_for(pred, timeout: float = 15.0) -> None:
         time.sleep(0.05)
 
 
+def _rank_pids(run_id: str, comm: str) -> list:
+    """The run's rank processes: those in its namespaces running ``comm``.
+
+    Why not every pid there: while the CLI sets a run up, its own ``ip -n``/``tc -n``
+    commands enter the namespaces for a moment, so a bare count can reach the number
+    of ranks before any rank has started (CI once saw 2 pids, then none).
+    """
+    return [pid for ns in _run_namespaces(run_id) for pid in netns.netns_pids(ns)
+            if _comm(pid) == comm]
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -194,8 +213,8 @@ def test_cli_sigint_tears_everything_down(clean_host):
                          stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     try:
         run_id = _cli_run_id(p)
-        _wait_for(lambda: sum(len(netns.netns_pids(ns)) for ns in _run_namespaces(run_id)) == 2)
-        pids = [pid for ns in _run_namespaces(run_id) for pid in netns.netns_pids(ns)]
+        _wait_for(lambda: len(_rank_pids(run_id, "sleep")) == 2)
+        pids = _rank_pids(run_id, "sleep")
         assert len(pids) == 2
         p.send_signal(signal.SIGINT)
         assert p.wait(timeout=20) == 130
@@ -214,7 +233,7 @@ def test_sweeper_removes_orphans_only(clean_host):
                           "--", "sleep", "60"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     try:
         run_id = _cli_run_id(p)
-        _wait_for(lambda: sum(len(netns.netns_pids(ns)) for ns in _run_namespaces(run_id)) == 2)
+        _wait_for(lambda: len(_rank_pids(run_id, "sleep")) == 2)
         sweep()  # the owner is alive: nothing of that run may go
         assert len(_run_namespaces(run_id)) == 3
         p.kill()  # SIGKILL: no teardown runs, the namespaces are orphaned
