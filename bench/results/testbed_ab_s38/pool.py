@@ -24,6 +24,7 @@ COMPARISONS = {
     "min_rate_samples_s37": ("main at fde9994", "+ three samples for the rate's median (the session before, all_reduce only)"),
     "min_rate_samples": ("main at fde9994", "+ three samples for the rate's median (943bde9)"),
     "size_evidence": ("943bde9", "+ whole-flow stages are not size evidence"),
+    "ratio_reach": ("486c109", "+ the larger transfers' ratio plans only transfers of its smaller group's size (40f1f00)"),
 }
 
 
