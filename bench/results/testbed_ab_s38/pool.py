@@ -64,17 +64,33 @@ def latest_code_table() -> list[str]:
     return out + [""]
 
 
+# series folder -> (what "base" ran, what "new" ran): target 5's series, bench/matrix.py --series failure,background
+SERIES_COMPARISONS = {
+    "series": ("943bde9", "882741d"),
+    "series_ratio_reach": ("486c109", "40f1f00"),
+}
+
+
 def series_table() -> list[str]:
-    """Target 5's series (series/*.json, bench/matrix.py --series failure,background), base against new: the
-    loaded direction's convergence after the background flow starts."""
+    out: list[str] = []
+    for folder, names in SERIES_COMPARISONS.items():
+        out += series_comparison(folder, names)
+    return out
+
+
+def series_comparison(folder: str, names: tuple) -> list[str]:
+    """One folder of target 5's series, base against new: the loaded direction's convergence after the
+    background flow starts."""
     res: dict = {"base": [], "new": []}
-    for path in sorted(glob.glob(os.path.join(HERE, "series", "*.json"))):
+    for path in sorted(glob.glob(os.path.join(HERE, folder, "*.json"))):
         group = os.path.basename(path).split("_")[0]
         for seg in json.load(open(path))["series"]["background"]["segments"]:
             if seg["rank"] == 1 and seg["after"] == "background on":  # rank 1 sends into the loaded link
                 res[group].append(seg)
-    out = ["## Target 5's series: the loaded direction (rank 1) after the background flow starts, 943bde9 "
-           "(base) against 882741d (new)", "",
+    if not res["base"] or not res["new"]:
+        return []
+    out = [f"## Target 5's series ({folder}/): the loaded direction (rank 1) after the background flow starts, "
+           f"{names[0]} (base) against {names[1]} (new)", "",
            "| | runs | operations until the 5-op mean is within 5 points of the model | share of the segment "
            "inside | planned-share reversals | median operation (ms) | final share |", "|---|---:|---|---|---|---|---|"]
     cols = (lambda g: g["near_model"]["first_ops"], lambda g: round(100 * g["near_model"]["inside"]),
