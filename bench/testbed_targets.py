@@ -1,6 +1,7 @@
 """Testbed targets: 2 ranks, both planes shaped tcp at 2:1, every collective.
 
     python bench/testbed_targets.py --out bench/results/testbed            (root; ~2-5 min)
+    python bench/testbed_targets.py --out DIR --iters 200     (the strict rule's reading; ~15 min)
 
 For all_reduce, reduce_scatter, all_gather and all_to_all at 16-64 MiB,
 mpccs-perf runs up, up#2 (A/A), out and adaptive interleaved inside the
@@ -38,6 +39,9 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 # Run before the sweep (as default_planes.py does), the points measure steady state and the start-up
 # gets its own ratio; inside the 16 MiB point it was 2-3 of its 10 timed operations.
 SETTLE_OPS = 12
+PLOT_TEXT = ("`targets.png`: each point's two ratios with their 95% intervals, adaptive and the fixed split, and the "
+             "strict rule's reading (the lower bound minus the A/A floor) as a tick; a tick above the dashed target "
+             "holds.")
 
 
 def run_collective(cluster, collective: str, out: str, iters: int, settle: int, fixed: str | None) -> dict:
@@ -162,6 +166,41 @@ def _fixed_lines(results: list[dict]) -> list[str]:
     return lines
 
 
+def plot(results: list[dict], meta: dict, path: str) -> None:
+    """targets.png: each point's two target-1 ratios with their 95% intervals, the fixed split beside
+    adaptive, the target as a line, and the strict rule's reading (the interval's lower bound minus the
+    A/A floor) as a tick: a tick above the line is a point that holds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['collective']}\n{r['size'] >> 20} MiB" for r in results]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    for ax, key, target, title in ((axes[0], "vs_sum", 0.90, "busbw / (busbw up + busbw out)"),
+                                   (axes[1], "vs_up", 1.35, "busbw / busbw up")):
+        series = [("adaptive", results, "C0", -0.15)]
+        if all(r.get("fixed") for r in results):
+            series.append((f"fixed {results[0]['fixed']['fraction']}", [r["fixed"] for r in results], "C1", 0.15))
+        for name, rows, colour, dx in series:
+            xs = [i + dx for i in range(len(rows))]
+            mid = [r[key][0] for r in rows]
+            err = [[r[key][0] - r[key][1] for r in rows], [r[key][2] - r[key][0] for r in rows]]
+            ax.errorbar(xs, mid, yerr=err, fmt="o", color=colour, capsize=3, label=f"{name}: median, 95% interval")
+            strict = [r[key][1] - p["floor"] for r, p in zip(rows, results)]
+            ax.plot(xs, strict, "_", color=colour, ms=12, mew=2, label=f"{name}: lower bound - A/A floor")
+        ax.axhline(target, color="k", ls="--", lw=1, label=f"target {target:.2f}")
+        ax.set_xticks(range(len(results)), labels, fontsize=6.5)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7, loc="lower left")
+    fig.suptitle(f"Target 1: testbed, up {meta['up_rate']} / out {meta['out_rate']}, 2 ranks, "
+                 f"{meta['iters']} interleaved iterations per point ({meta['time']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def fixed_fraction(choice: str, up_rate: str, out_rate: str) -> str | None:
     """The fixed split's policy label, as mpccs-perf labels a fraction's rows ("0.667")."""
     if choice == "none":
@@ -184,7 +223,15 @@ def main() -> int:
                          "(default: the rate ratio up / (up + out); none: no fixed split)")
     ap.add_argument("--settle", type=int, default=SETTLE_OPS,
                     help="adaptive operations run before each sweep, timed apart (0: the start-up runs in the 16 MiB point)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="redraw targets.png and print the tables from --out's verdicts.json")
     ns = ap.parse_args()
+    if ns.report_only:
+        with open(os.path.join(ns.out, "verdicts.json")) as fh:
+            saved = json.load(fh)
+        plot(saved["results"], saved["meta"], os.path.join(ns.out, "targets.png"))
+        print(render(saved["results"], saved["meta"]))
+        return 0
     ns.fixed = fixed_fraction(ns.fixed, ns.up_rate, ns.out_rate)
     os.makedirs(ns.out, exist_ok=True)
     results, counters = [], {}
@@ -202,12 +249,14 @@ def main() -> int:
     meta = {"up_rate": ns.up_rate, "out_rate": ns.out_rate, "iters": ns.iters, "settle": ns.settle, "fixed": ns.fixed,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     text = render(results, meta)
+    text += f"\n{PLOT_TEXT}\n"
     text += "\nKernel tx bytes per rank and interface during each collective's sweep (the outside view):\n\n"
     text += "```\n" + json.dumps(counters, indent=1) + "\n```\n"
     with open(os.path.join(ns.out, "report.md"), "w") as fh:
         fh.write(text)
     with open(os.path.join(ns.out, "verdicts.json"), "w") as fh:
         json.dump({"meta": meta, "results": results, "counters": counters}, fh, indent=1)
+    plot(results, meta, os.path.join(ns.out, "targets.png"))
     print(text)
     return 0
 

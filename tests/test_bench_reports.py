@@ -202,6 +202,35 @@ def test_testbed_targets_judges_a_fixed_split_by_the_same_rule_and_reports_it_ap
         "up_rate": "2.4gbit", "out_rate": "1.2gbit", "iters": 12, "time": "now"})
 
 
+def test_testbed_targets_report_only_redraws_the_plot_and_tables_from_saved_verdicts(tmp_path, monkeypatch, capsys):
+    import json
+
+    targets = load("testbed_targets")
+    mib = 1 << 20
+    up = [30.0 + 0.5 * (i % 3) for i in range(12)]
+
+    def row(policy, times, size):
+        return {"collective": "all_to_all", "size": size, "policy": policy, "times_us": list(times),
+                "busbw": 1.0, "up_share": 0.66 if policy in ("adaptive", "0.667") else None}
+
+    rows = []
+    for size, speedup in ((16 * mib, 1.45), (64 * mib, 1.30)):  # 64 MiB misses both (the sum is 1.5x up here)
+        rows += [row("up", up, size), row("up#2", up, size), row("out", [2 * t for t in up], size),
+                 row("adaptive", [t / speedup for t in up], size), row("0.667", [t / 1.44 for t in up], size)]
+    results = targets.verdicts({"rows": rows, "meta": {}}, fixed="0.667")
+    meta = {"up_rate": "2.4gbit", "out_rate": "1.2gbit", "iters": 12, "time": "now"}
+    (tmp_path / "verdicts.json").write_text(json.dumps({"meta": meta, "results": results, "counters": {}}))
+    monkeypatch.setattr(sys, "argv", ["testbed_targets.py", "--out", str(tmp_path), "--report-only"])
+    assert targets.main() == 0
+    adaptive_table, fixed_table = capsys.readouterr().out.replace("| all_to_all | ", "| ").split("A fixed split")
+    assert {k: v[-2:] for k, v in table_rows(adaptive_table).items()} == {
+        "16 MiB": ["holds", "holds"], "64 MiB": ["NOT MET", "NOT MET"]}
+    assert {k: v[-2:] for k, v in table_rows(fixed_table).items()} == {
+        "16 MiB": ["holds", "holds"], "64 MiB": ["holds", "holds"]}
+    png = (tmp_path / "targets.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="steal is read from Linux's /proc/stat")
 def test_host_steal_reads_a_share_while_every_core_spins():
     host = load("host_steal")
