@@ -177,11 +177,11 @@ def plot(results: list[dict], meta: dict, path: str) -> None:
 
     labels = [f"{r['collective']}\n{r['size'] >> 20} MiB" for r in results]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    series = [("adaptive", results, "C0", -0.15)]
+    if all(r.get("fixed") for r in results):
+        series.append((f"fixed {results[0]['fixed']['fraction']}", [r["fixed"] for r in results], "C1", 0.15))
     for ax, key, target, title in ((axes[0], "vs_sum", 0.90, "busbw / (busbw up + busbw out)"),
                                    (axes[1], "vs_up", 1.35, "busbw / busbw up")):
-        series = [("adaptive", results, "C0", -0.15)]
-        if all(r.get("fixed") for r in results):
-            series.append((f"fixed {results[0]['fixed']['fraction']}", [r["fixed"] for r in results], "C1", 0.15))
         for name, rows, colour, dx in series:
             xs = [i + dx for i in range(len(rows))]
             mid = [r[key][0] for r in rows]
@@ -199,6 +199,13 @@ def plot(results: list[dict], meta: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def report_text(results: list[dict], meta: dict, counters: dict) -> str:
+    """report.md: the tables, the plot's legend and the kernel's byte counters."""
+    return (render(results, meta) + f"\n{PLOT_TEXT}\n"
+            "\nKernel tx bytes per rank and interface during each collective's sweep (the outside view):\n\n"
+            "```\n" + json.dumps(counters, indent=1) + "\n```\n")
 
 
 def fixed_fraction(choice: str, up_rate: str, out_rate: str) -> str | None:
@@ -224,13 +231,16 @@ def main() -> int:
     ap.add_argument("--settle", type=int, default=SETTLE_OPS,
                     help="adaptive operations run before each sweep, timed apart (0: the start-up runs in the 16 MiB point)")
     ap.add_argument("--report-only", action="store_true",
-                    help="redraw targets.png and print the tables from --out's verdicts.json")
+                    help="rebuild report.md and targets.png from --out's verdicts.json")
     ns = ap.parse_args()
     if ns.report_only:
         with open(os.path.join(ns.out, "verdicts.json")) as fh:
             saved = json.load(fh)
+        text = report_text(saved["results"], saved["meta"], saved["counters"])
+        with open(os.path.join(ns.out, "report.md"), "w") as fh:
+            fh.write(text)
         plot(saved["results"], saved["meta"], os.path.join(ns.out, "targets.png"))
-        print(render(saved["results"], saved["meta"]))
+        print(text)
         return 0
     ns.fixed = fixed_fraction(ns.fixed, ns.up_rate, ns.out_rate)
     os.makedirs(ns.out, exist_ok=True)
@@ -248,10 +258,7 @@ def main() -> int:
                                    "time": time.strftime("%Y-%m-%dT%H:%M:%S")}), flush=True)
     meta = {"up_rate": ns.up_rate, "out_rate": ns.out_rate, "iters": ns.iters, "settle": ns.settle, "fixed": ns.fixed,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    text = render(results, meta)
-    text += f"\n{PLOT_TEXT}\n"
-    text += "\nKernel tx bytes per rank and interface during each collective's sweep (the outside view):\n\n"
-    text += "```\n" + json.dumps(counters, indent=1) + "\n```\n"
+    text = report_text(results, meta, counters)
     with open(os.path.join(ns.out, "report.md"), "w") as fh:
         fh.write(text)
     with open(os.path.join(ns.out, "verdicts.json"), "w") as fh:

@@ -202,7 +202,7 @@ def test_testbed_targets_judges_a_fixed_split_by_the_same_rule_and_reports_it_ap
         "up_rate": "2.4gbit", "out_rate": "1.2gbit", "iters": 12, "time": "now"})
 
 
-def test_testbed_targets_report_only_redraws_the_plot_and_tables_from_saved_verdicts(tmp_path, monkeypatch, capsys):
+def test_testbed_targets_report_only_rebuilds_the_report_and_plot_from_saved_verdicts(tmp_path, monkeypatch, capsys):
     import json
 
     targets = load("testbed_targets")
@@ -222,7 +222,9 @@ def test_testbed_targets_report_only_redraws_the_plot_and_tables_from_saved_verd
     (tmp_path / "verdicts.json").write_text(json.dumps({"meta": meta, "results": results, "counters": {}}))
     monkeypatch.setattr(sys, "argv", ["testbed_targets.py", "--out", str(tmp_path), "--report-only"])
     assert targets.main() == 0
-    adaptive_table, fixed_table = capsys.readouterr().out.replace("| all_to_all | ", "| ").split("A fixed split")
+    printed = capsys.readouterr().out
+    assert (tmp_path / "report.md").read_text() == printed.rstrip("\n") + "\n" and targets.PLOT_TEXT in printed
+    adaptive_table, fixed_table = printed.replace("| all_to_all | ", "| ").split("A fixed split")
     assert {k: v[-2:] for k, v in table_rows(adaptive_table).items()} == {
         "16 MiB": ["holds", "holds"], "64 MiB": ["NOT MET", "NOT MET"]}
     assert {k: v[-2:] for k, v in table_rows(fixed_table).items()} == {
