@@ -220,8 +220,12 @@ class Splitter:
         for (f, nbytes), companion in [(o, False) for o in others] + [(c, True) for c in companions]:
             planes = tuple(p for p in (UP, OUT) if p in self.planes and self._links(p, f.src, f.dst, mine))
             if planes and nbytes:
+                # A peer's flow lands on its own whole chunks too (quantum_of knows the
+                # peer's chunking): without them its predicted finish, and with it the
+                # stage time telemetry reports, was the unaligned optimum's.
+                quantum = quantum_of(f) if quantum_of and not companion else 0
                 demands.append(FlowDemand(flow_id=f.id, src=f.src, dst=f.dst, nbytes=nbytes, planes=planes,
-                                          companion=companion))
+                                          quantum_bytes=quantum, companion=companion))
         decision = self.controller.decide(demands, now, chunk_bytes=chunk_bytes, epoch=epoch)
         steal = decision.steal and self.can_steal
         splits = {

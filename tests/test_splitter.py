@@ -106,3 +106,18 @@ def test_companions_take_out_capacity_and_leave_the_stage_judgeable():
     assert plan.reason["ranks"]["0"]["judgeable"]
     _, _, alone = pipelined_intra_stage(with_companions=False)
     assert abs(alone - 0.5) < 0.07  # as if 'out' were free
+
+
+def test_a_peers_flow_is_predicted_on_its_own_whole_chunks():
+    # Each rank's split lands on whole chunks of its sender's chunking; the coflow
+    # must predict a peer's flow the same way, or the stage time it reports is the
+    # unaligned optimum's.
+    chunk = 512 * 1024
+    ctl = Recording(ControlConfig(), rank=0)
+    splitter = Splitter("adaptive", {UP: Reach({1}), OUT: Reach({1})}, {UP: MiB, OUT: MiB}, ctl)
+    plan = splitter.plan([flow(0, 0, 1)], now=0.0, chunk_bytes=chunk, others=(flow(1, 1, 0),),
+                         quantum_of=lambda f: chunk)
+    assert ctl.demands[1].quantum_bytes == chunk
+    for rank in ("0", "1"):
+        out = plan.reason["ranks"][rank]["bytes"]["out"]
+        assert 0 < out < 8 * MiB and out % chunk == 0, (rank, out)
