@@ -1,11 +1,14 @@
 """Target 2 of the benchmarks issue by its strict rule: `adaptive` against `up`, with enough iterations.
 
     python bench/adaptive_vs_up.py --out bench/results/adaptive_vs_up        # 64 KiB-256 MiB (~5 min)
+    python bench/adaptive_vs_up.py --out DIR --min 8 --max 32K --iters-small 6000  # below 64 KiB (~1 min)
     python bench/adaptive_vs_up.py --out /tmp/avu --max 1M --iters 20 --iters-small 20  # smoke
 
 The rule: a target holds when the lower bound of the 95% interval of `adaptive`
 over the best single plane, minus the A/A noise floor (the half-width of `up`
-over `up#2`), clears 0.97. The default-planes sweep (bench/default_planes.py)
+over `up#2`), clears 0.97; below 64 KiB the target asks only that adaptive
+not fall below `up` beyond the noise floor (the upper bound plus the floor
+reaches 1.0). The default-planes sweep (bench/default_planes.py)
 interleaves five policies at 15 iterations per point, where both the interval
 and the floor come out 0.1-0.4 wide on this VM, so the rule cannot hold there
 whatever the library does. Here only `up`, `up#2` and `adaptive` are
@@ -35,6 +38,9 @@ from mpccs.config import parse_size  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
 TARGET = 0.97
+# Target 2 asks >= 0.97x from 64 KiB, and below it only that adaptive is "not below the better single plane
+# beyond the noise floor": the interval's upper bound plus the A/A floor reaches 1.0.
+TARGET_FROM = 64 << 10
 
 
 def measure(out: str, lo: str, hi: str, iters: int, name: str) -> None:
@@ -72,23 +78,32 @@ def report(out: str) -> str:
              f"{' or '.join(map(str, iters))} iterations per point; mpccs {meta['mpccs']}, UCX {meta['ucx']}, "
              f"kernel {meta['kernel']}; measured {meta['time']}.",
              "", code_text({name: run["meta"].get("code") for name, run in runs.items()}), "",
-             f"Rule: lower bound of adaptive / up minus the A/A floor >= {TARGET}.", "",
-             "| size | up (us) | adaptive (us) | adaptive / up | A/A floor | lower bound - floor | holds | algorithm "
+             f"Rule from {size_text(TARGET_FROM)}: lower bound of adaptive / up minus the A/A floor >= {TARGET}. "
+             "Below it, not below `up` beyond the noise floor: upper bound plus the A/A floor >= 1.", "",
+             "| size | up (us) | adaptive (us) | adaptive / up | A/A floor | rule | reading | holds | algorithm "
              "| CPU stolen |",
-             "|---:|---:|---:|---|---:|---:|---|---|---:|"]
+             "|---:|---:|---:|---|---:|---|---:|---|---|---:|"]
     met = 0
     for s in sizes:
         up, up2, ad = rows[("up", s)], rows[("up#2", s)], rows[("adaptive", s)]
         ratio = ratio_ci(ad["times_us"], up["times_us"], paired=True)
         floor = noise_floor(up["times_us"], up2["times_us"])
-        ok = holds(ratio, TARGET, floor)
+        rule, reading, ok = judge(s, ratio, floor)
         met += ok
         steal = "-" if ad.get("steal") is None else f"{100 * ad['steal']:.0f}%"
         lines.append(f"| {size_text(s)} | {up['time_us']:.0f} | {ad['time_us']:.0f} | {ratio[0]:.3f} [{ratio[1]:.3f}, "
-                     f"{ratio[2]:.3f}] | {floor:.3f} | {ratio[1] - floor:.3f} | {'yes' if ok else 'no'} | "
+                     f"{ratio[2]:.3f}] | {floor:.3f} | {rule} | {reading:.3f} | {'yes' if ok else 'no'} | "
                      f"{ad.get('algorithm', '-')} | {steal} |")
     lines += ["", f"{met} of {len(sizes)} sizes hold by the strict rule."]
     return "\n".join(lines) + "\n"
+
+
+def judge(size: int, ratio: tuple[float, float, float], floor: float) -> tuple[str, float, bool]:
+    """(rule, its reading, holds) of target 2 at one size: >= 0.97x from TARGET_FROM (the interval's lower
+    bound minus the floor), below it not below `up` beyond the noise (the upper bound plus the floor)."""
+    if size >= TARGET_FROM:
+        return f">= {TARGET}", ratio[1] - floor, holds(ratio, TARGET, floor)
+    return "not below", ratio[2] + floor, ratio[2] + floor >= 1.0
 
 
 def main() -> None:

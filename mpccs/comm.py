@@ -46,6 +46,7 @@ SINGLE_PLANE_CHUNK_BYTES = 1 << 20  # a sender on one plane only: comm._chunking
 # _direct_by_cma's, besides all_reduce (broadcast and reduce: the whole buffer is the block)
 CMA_BLOCK_COLLECTIVES = ("reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce")
 DIRECT_MAX_RANKS = 8  # the direct path sends up to p - 1 messages per rank
+MAX_POLICIES_REMEMBERED = 16  # path policies whose call answers are kept (Communicator.set_path_policy)
 DIRECT_OPS = {"all_gather": DirectAllGatherOp, "reduce_scatter": DirectReduceScatterOp, "all_to_all": DirectAllToAllOp,
               "broadcast": DirectBroadcastOp, "reduce": DirectReduceOp}
 # What the tuner assumes a reduction costs (bytes of output per second). A
@@ -126,8 +127,13 @@ class Communicator:
         self._recv_seq: dict[int, int] = {}
         self._last_stats = None  # a dict, or a light Operation whose dict is built when asked
         self._plans: OrderedDict = OrderedDict()  # _schedule's answers by its arguments
-        self._direct_answers: dict = {}  # _direct's answers under the current path policy
-        self._protected_answers: dict = {}  # _protected's, likewise (configuration, policy and call only)
+        # _direct's and _protected's answers (configuration, path policy and call only), kept per policy:
+        # a loop that changes the policy between calls (mpccs-perf interleaving policies, a training
+        # loop with one policy per tensor) found them cleared at every change and decided every call
+        # afresh: 4-6 us of a 8-32 KiB all_reduce's 18-24 (bench/results/adaptive_vs_up_s41/answers_ab/).
+        self._answers_by_policy: dict = {}
+        self._direct_answers: dict = {}
+        self._protected_answers: dict = {}
         self.gpu_direct = staging.offers_gpu_direct(options.gpu_direct)  # this rank's offer; agreed below
         self.hosts, self.domains = self._exchange_identity(boot, options)
         self.domain = self.domains[self.rank]
@@ -282,8 +288,9 @@ class Communicator:
         if OUT not in self._planes and not self._one_domain:
             raise ConfigError("plane 'out' is disabled but ranks span several domains: nothing would reach them")
         self._policy = policy
-        self._direct_answers.clear()  # they depend on the policy
-        self._protected_answers.clear()
+        if policy not in self._answers_by_policy and len(self._answers_by_policy) >= MAX_POLICIES_REMEMBERED:
+            self._answers_by_policy.clear()  # bounded: a sweep over many fixed fractions
+        self._direct_answers, self._protected_answers = self._answers_by_policy.setdefault(policy, ({}, {}))
 
     def last_stats(self) -> Optional[dict]:
         """Record of the operation completed last (see Work.stats)."""

@@ -1,7 +1,8 @@
-"""The reports of bench/peer_rounds.py, two_step_ab.py, blocks_ab.py, cma_ab.py, group_lane_ab.py and
-setup_timeline.py, and bench/stats.py's interleaving, on synthetic timings (the runs themselves are
-benchmarks, not tests)."""
+"""The reports of bench/peer_rounds.py, two_step_ab.py, blocks_ab.py, cma_ab.py, group_lane_ab.py,
+setup_timeline.py, testbed_targets.py and shared_bottleneck.py, and bench/stats.py's interleaving, on synthetic
+timings (the runs themselves are benchmarks, not tests)."""
 import importlib.util
+import json
 import math
 import os
 import sys
@@ -285,3 +286,51 @@ def test_mann_whitney_p_matches_scipys_asymptotic_method():
         pytest.approx(0.016098254978888133, rel=1e-9)
     assert stats.mann_whitney_p([1.0, 2.0], [1.0, 2.0]) == 1.0
     assert math.isnan(stats.mann_whitney_p([], [1.0]))
+
+
+def test_shared_bottleneck_judges_adaptive_against_the_faster_single_plane_by_the_strict_rule():
+    shared = load("shared_bottleneck")
+    mib = 1 << 20
+
+    def row(policy, size, times):
+        return {"collective": "all_to_all", "size": size, "policy": policy, "times_us": times, "busbw": 1.0,
+                "up_share": 1.0 if policy == "adaptive" else None, "steal": 0.02}
+
+    noisy_up2 = [100.0, 110.0] * 10  # `up#2` apart from `up`: a floor that eats the margin
+    data = {"rows": [row("up", 16 * mib, [100.0] * 20), row("up#2", 16 * mib, [100.0] * 20),
+                     row("out", 16 * mib, [200.0] * 20), row("adaptive", 16 * mib, [101.0] * 20),
+                     row("up", 64 * mib, [100.0] * 20), row("up#2", 64 * mib, noisy_up2),
+                     row("out", 64 * mib, [80.0] * 20), row("adaptive", 64 * mib, [81.0] * 20)],
+            "meta": {"code": {"path": "/x/mpccs", "sources": "0123456789ab"}}}
+    small, large = shared.verdicts(data)
+    assert small["best"] == "up" and small["ratio"][0] == pytest.approx(100 / 101) and small["holds"]
+    assert large["best"] == "out" and large["ratio"][0] == pytest.approx(80 / 81)  # against the faster plane
+    assert large["floor"] > 0.03 and not large["holds"]
+    text = shared.render([small, large], {"up_rate": "1gbit", "out_rate": "500mbit", "shared_rate": "1gbit",
+                                          "iters": 20, "settle": 12, "time": "now"})
+    cells = table_rows(text.replace("| all_to_all | ", "| "))
+    assert cells["16 MiB"][4:] == ["up", "0.990 [0.990, 0.990]", "0.000", "0.990", "yes", "2%"]
+    assert cells["64 MiB"][4] == "out" and cells["64 MiB"][8] == "no"
+    assert "1 of 2 points hold by the strict rule." in text
+
+
+def test_adaptive_vs_up_reads_0_97_from_64_kib_and_not_below_under_it(tmp_path):
+    avu = load("adaptive_vs_up")
+    kib = 1 << 10
+
+    def row(policy, size, times):
+        return {"policy": policy, "size": size, "times_us": times, "time_us": sorted(times)[len(times) // 2],
+                "algorithm": "direct_lane", "steal": 0.0}
+
+    # 32 KiB: adaptive 2% slower than `up` with no noise: above 0.97, yet below `up` beyond the floor.
+    # 64 KiB: the same 2% holds the 0.97 rule.  16 KiB: 1% slower, but `up#2` is 2% off `up`: within the floor.
+    times = {16 * kib: (100.0, 102.0, 101.0), 32 * kib: (100.0, 100.0, 102.0), 64 * kib: (100.0, 100.0, 102.0)}
+    rows = [row(p, s, [t] * 50) for s, ts in times.items() for p, t in zip(("up", "up#2", "adaptive"), ts)]
+    meta = {"mpccs": "0.1.0", "ucx": "1.21.0", "kernel": "k", "time": "now",
+            "code": {"path": "/x/mpccs", "sources": "0123456789ab"}}
+    (tmp_path / "perf.json").write_text(json.dumps({"meta": meta, "rows": rows}))
+    cells = table_rows(avu.report(str(tmp_path)))
+    assert cells["16 KiB"][4:7] == ["not below", "1.010", "yes"]
+    assert cells["32 KiB"][4:7] == ["not below", "0.980", "no"]
+    assert cells["64 KiB"][4:7] == [">= 0.97", "0.980", "yes"]
+    assert "2 of 3 sizes hold by the strict rule." in avu.report(str(tmp_path))

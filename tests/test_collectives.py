@@ -741,3 +741,34 @@ def test_all_reduce_direct_paths_reduce_in_rank_order(pools, world):
             assert r[policy, "largest"] == (float(p), halves if p == 2 else _small_path(world, DIRECT_BOUND[p][0]))
             assert r[policy, "above"][0] == float(p) and r[policy, "above"][1] != "direct"
         assert r["fixed", "medium"] != "direct"  # a split policy keeps the DAG (both planes)
+
+
+def paths_while_the_policy_alternates(comm):
+    """A 16 KiB all_reduce under up, out, adaptive, up, out, adaptive: the path each
+    call takes (and its result), and whether a policy set again found its answers kept."""
+    n = 4096
+    expected = np.full(n, sum(range(1, comm.size + 1)), np.float32)
+    before = comm.path_policy
+    seen, kept = [], []
+    try:
+        for policy in ("up", "out", "adaptive") * 2:
+            comm.set_path_policy(policy)
+            kept.append(len(comm._direct_answers) > 0)  # answers found on setting it
+            got = comm.all_reduce(np.full(n, comm.rank + 1, np.float32), np.empty(n, np.float32))
+            seen.append((policy, comm.last_stats()["algorithm"], bool(np.array_equal(got, expected))))
+    finally:
+        comm.set_path_policy(before)
+    return seen, kept
+
+
+def test_each_policy_keeps_its_own_call_answers_when_the_policy_alternates(pools):
+    # 'out' never takes the direct path above its small bound (it must not ride the
+    # control plane), 'up' and 'adaptive' do: answers kept per policy must not leak.
+    for seen, kept in pools("2").run(paths_while_the_policy_alternates):
+        first, second = seen[:3], seen[3:]
+        assert first == second, seen
+        assert all(exact for _, _, exact in seen), seen
+        paths = {policy: algorithm for policy, algorithm, _ in first}
+        assert paths["up"] == paths["adaptive"] and paths["up"].startswith("direct"), paths
+        assert not paths["out"].startswith("direct"), paths
+        assert kept[3:] == [True] * 3, kept  # set again: its answers were kept
