@@ -25,6 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from stats import code_text, holds, noise_floor, ratio_ci  # noqa: E402
+from testbed_targets import run_perf  # noqa: E402
 
 from mpccs.testbed import Cluster  # noqa: E402
 
@@ -34,19 +35,6 @@ TARGET = 0.97
 # both over one 1 Gbit/s trunk per rank.
 UP_RATE, OUT_RATE, SHARED_RATE = "1gbit", "500mbit", "1gbit"
 SETTLE_OPS = 12
-
-
-def run_collective(cluster, collective: str, out: str, sizes: tuple[str, str], iters: int, settle: int) -> dict:
-    path = os.path.join(out, f"{collective}.json")
-    argv = [sys.executable, "-m", "mpccs.perf", collective, "-b", sizes[0], "-e", sizes[1], "-f", "4",
-            "-n", str(iters), "-w", "3", "--policies", "up,up,out,adaptive", "--quiet", "-J", path]
-    if settle > 0:
-        argv += ["--settle", str(settle)]
-    result = cluster.run(argv, timeout=3600, stream=open(os.devnull, "w"))
-    if result.exit_code != 0:
-        raise SystemExit(f"{collective} failed:\n" + "\n".join(result.output[0][-20:]))
-    with open(path) as fh:
-        return json.load(fh)
 
 
 def verdicts(data: dict) -> list[dict]:
@@ -120,7 +108,9 @@ def main() -> int:
         with Cluster(n=2, up="tcp", up_rate=UP_RATE, out_rate=OUT_RATE, shared_bottleneck=True,
                      shared_rate=SHARED_RATE, log=lambda m: None) as cluster:
             for collective in ns.collectives.split(","):
-                results += verdicts(run_collective(cluster, collective, ns.out, (ns.min, ns.max), ns.iters, ns.settle))
+                data = run_perf(cluster, collective, ns.out, "up,up,out,adaptive", (ns.min, ns.max), ns.iters,
+                                ns.settle, timeout=3600)
+                results += verdicts(data)
                 print(render(results, meta), flush=True)
         with open(os.path.join(ns.out, "verdicts.json"), "w") as fh:
             json.dump({"meta": meta, "results": results}, fh, indent=1)

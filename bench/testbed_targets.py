@@ -45,13 +45,19 @@ PLOT_TEXT = ("`targets.png`: each point's two ratios with their 95% intervals, a
 
 
 def run_collective(cluster, collective: str, out: str, iters: int, settle: int, fixed: str | None) -> dict:
-    path = os.path.join(out, f"{collective}.json")
     policies = "up,up,out,adaptive" + (f",{fixed}" if fixed else "")
-    argv = [sys.executable, "-m", "mpccs.perf", collective, "-b", "16M", "-e", "64M", "-f", "4",
+    return run_perf(cluster, collective, out, policies, ("16M", "64M"), iters, settle)
+
+
+def run_perf(cluster, collective: str, out: str, policies: str, sizes: tuple[str, str], iters: int,
+             settle: int, timeout: float = 1800) -> dict:
+    """One mpccs-perf sweep (sizes x4 apart, the policies interleaved) inside the testbed; its JSON."""
+    path = os.path.join(out, f"{collective}.json")
+    argv = [sys.executable, "-m", "mpccs.perf", collective, "-b", sizes[0], "-e", sizes[1], "-f", "4",
             "-n", str(iters), "-w", "3", "--policies", policies, "--quiet", "-J", path]
     if settle > 0:
         argv += ["--settle", str(settle)]
-    result = cluster.run(argv, timeout=1800, stream=open(os.devnull, "w"))
+    result = cluster.run(argv, timeout=timeout, stream=open(os.devnull, "w"))
     if result.exit_code != 0:
         raise SystemExit(f"{collective} failed:\n" + "\n".join(result.output[0][-20:]))
     with open(path) as fh:
