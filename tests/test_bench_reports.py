@@ -293,7 +293,8 @@ def test_shared_bottleneck_judges_adaptive_against_the_faster_single_plane_by_th
     mib = 1 << 20
 
     def row(policy, size, times):
-        return {"collective": "all_to_all", "size": size, "policy": policy, "times_us": times, "busbw": 1.0,
+        return {"collective": "all_to_all", "size": size, "policy": policy, "times_us": times,
+                "time_us": sorted(times)[len(times) // 2], "busbw": 1.0,
                 "up_share": 1.0 if policy == "adaptive" else None, "steal": 0.02}
 
     noisy_up2 = [100.0, 110.0] * 10  # `up#2` apart from `up`: a floor that eats the margin
