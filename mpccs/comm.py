@@ -171,8 +171,10 @@ class Communicator:
         if boot.store is None:
             return [host], [domain]
         boot.store.set(f"info/{boot.rank}", json.dumps({"host": host, "domain": domain, "pid": os.getpid(),
-                                                        "gpu_direct": self.gpu_direct}).encode())
+                                                        "gpu_direct": self.gpu_direct,
+                                                        "plane_rates": opts.plane_rates}).encode())
         infos = [json.loads(v) for v in boot.store.gather("info", boot.size, opts.rendezvous_timeout_s)]
+        _check_same_plane_rates(infos, boot.rank)
         self._pids = [i["pid"] for i in infos]
         # Every rank moves device arrays the same way (a device reduction's steps
         # differ between the two ways): GPU-direct only where every rank offers it.
@@ -250,8 +252,12 @@ class Communicator:
     def _make_controller(self):
         from .control import ControlConfig, PathController
 
+        # Rates the user states (MPCCS_PLANE_RATES) replace the priors the tuner plans by and the
+        # controller starts from; the priors were measured on the development machines (shm against
+        # tcp on loopback, 7:1) and choose single-plane plans where the planes are closer than that.
+        priors = {**ControlConfig().prior_rate_Bps, **dict(self.options.plane_rates or ())}
         config = ControlConfig(out_cap_share=self.options.out_cap_share, out_cap_rate_Bps=self.options.out_cap_rate_Bps,
-                               start_on_one_plane=True)
+                               start_on_one_plane=self.options.plane_rates is None, prior_rate_Bps=priors)
         self._prior_costs = {p: PathModel(config.prior_rate_Bps[p], config.prior_delay_s[p]) for p in ("up", "out")}
         return PathController(config, rank=self.rank)
 
@@ -1220,6 +1226,16 @@ def _counts(counts, size: int, name: str) -> list[int]:
     if any(c < 0 for c in values):
         raise ValueError(f"{name} has a negative entry")
     return values
+
+
+def _check_same_plane_rates(infos: list, rank: int) -> None:
+    """Every rank plans by the same rates (the tuner's plan must be the same
+    everywhere): refuse to start where MPCCS_PLANE_RATES differs."""
+    stated = [json.dumps(i.get("plane_rates")) for i in infos]
+    if len(set(stated)) > 1:
+        odd = [r for r, v in enumerate(stated) if v != stated[rank]]
+        raise ConfigError(f"rank {rank}: MPCCS_PLANE_RATES {stated[rank]} differs on rank(s) {odd} "
+                          f"({stated[odd[0]]}); set it the same on every rank")
 
 
 def _domain_ids(domains: list[str]) -> list[int]:

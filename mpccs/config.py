@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields, replace
-from typing import Optional, Union
+from typing import Mapping, Optional, Union
 
 from .errors import ConfigError
 
@@ -107,6 +107,32 @@ def parse_rate(value: Union[str, float, int]) -> float:
         raise ConfigError(f"cannot read rate {value!r} (examples: 250mbit, 1gbit, 30MB, 31250000)") from None
 
 
+def parse_plane_rates(value) -> tuple[tuple[str, float], ...]:
+    """'up=5GB,out=700MB' (rates as parse_rate reads them), or a {plane: rate}
+    mapping: what the planes carry, as (plane, bytes/s) pairs in plane order."""
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    else:
+        items = []
+        for token in (t.strip() for t in str(value).split(",") if t.strip()):
+            name, sep, rate = token.partition("=")
+            if not sep:
+                raise ConfigError(f"plane rate {token!r} needs plane=rate (e.g. up=5GB,out=700MB)")
+            items.append((name.strip(), rate))
+    if not items:
+        raise ConfigError("no plane rate given (e.g. up=5GB,out=700MB)")
+    rates = {}
+    for name, rate in items:
+        if name not in PLANE_NAMES:
+            raise ConfigError(f"unknown plane {name!r} in plane rates; valid planes: {', '.join(PLANE_NAMES)}")
+        if name in rates:
+            raise ConfigError(f"plane {name!r} is given two rates")
+        rates[name] = parse_rate(rate)
+        if rates[name] <= 0:
+            raise ConfigError(f"plane {name!r}: rate {rate!r} is not positive")
+    return tuple((name, rates[name]) for name in PLANE_NAMES if name in rates)
+
+
 def parse_bool(value) -> bool:
     if isinstance(value, bool):
         return value
@@ -178,6 +204,7 @@ class Options:
     trace: Optional[str] = None
     out_cap_share: float = 1.0
     out_cap_rate_Bps: Optional[float] = None  # QoS: borrowed scale-out bytes/s, paced (None: no cap)
+    plane_rates: Optional[tuple] = None  # ((plane, bytes/s), ...): the planes' rates as known; None: the priors
     fingerprint: bool = True
     failover: bool = True  # retry a collective on the plane left when one fails
     two_step: bool = True  # 2-rank all_reduce on 'up' alone: two messages each way, not the DAG (two_step.py)
@@ -206,6 +233,7 @@ _ENV = {
     "trace": ("MPCCS_TRACE", str),
     "out_cap_share": ("MPCCS_OUT_CAP", float),
     "out_cap_rate_Bps": ("MPCCS_OUT_CAP_RATE", parse_rate),
+    "plane_rates": ("MPCCS_PLANE_RATES", parse_plane_rates),
     "fingerprint": ("MPCCS_FINGERPRINT", parse_bool),
     "failover": ("MPCCS_FAILOVER", parse_bool),
     "two_step": ("MPCCS_TWO_STEP", parse_bool),
@@ -223,7 +251,7 @@ def _parse_override(name: str, value):
     _, parse = _ENV[name]
     if name == "planes" and isinstance(value, (list, tuple)):
         return parse_planes(",".join(value))
-    if isinstance(value, str) or name == "path_policy":
+    if isinstance(value, str) or name in ("path_policy", "plane_rates"):
         return parse(value)
     return value
 

@@ -57,6 +57,9 @@ def collect(comm) -> dict:
         "domains": comm.domains,
         "path_policy": str(comm.path_policy),
         "qos": {"out_cap_share": comm.options.out_cap_share, "out_cap_rate_Bps": comm.options.out_cap_rate_Bps},
+        # the rates the tuner plans by: MPCCS_PLANE_RATES where stated, else the built-in priors
+        "plane_rates": {"stated": comm.options.plane_rates is not None,
+                        **{plane: model.rate_Bps for plane, model in comm._prior_costs.items()}},
         # 2 ranks on one host: the shared-memory segments a medium all_reduce takes (transports/shm.py)
         "shm_segments": comm._engine.shm is not None,
         # and with them, whether 2-rank collectives read the peer's blocks across processes (cma_steps.py)
@@ -88,6 +91,9 @@ def render(info: dict) -> str:
         f"# path policy: {info['path_policy']}",
         f"# qos: out_cap_share={info['qos']['out_cap_share']:g}  out_cap_rate="
         + ("none" if info["qos"]["out_cap_rate_Bps"] is None else f"{info['qos']['out_cap_rate_Bps'] * 8 / 1e6:g} Mbit/s (paced)"),
+        "# plane rates the tuner plans by: " + "  ".join(
+            f"{p}={info['plane_rates'][p] / 1e6:g} MB/s" for p in ("up", "out"))
+        + (" (MPCCS_PLANE_RATES)" if info["plane_rates"]["stated"] else " (built-in priors; MPCCS_PLANE_RATES states them)"),
         "# shared-memory segments: " + ("open (2-rank calls to 384 KiB whole, medium all_reduce halves, broadcast "
                                         "and reduce to 2 MiB in chunks)"
                                         if info["shm_segments"] else

@@ -314,3 +314,59 @@ def test_gpu_direct_offer_follows_the_machine():
         assert staging.offers_gpu_direct("auto") is False
         with pytest.raises(ConfigError, match="cupy sees no GPU"):
             staging.offers_gpu_direct("on")
+
+
+def test_plane_rates_are_read_and_checked():
+    opts = load_options({"MPCCS_PLANE_RATES": "out=500mbit, up=1gbit"})
+    assert opts.plane_rates == (("up", 125e6), ("out", 62.5e6))  # plane order, bytes/s
+    assert load_options({}, plane_rates={"out": "700MB"}).plane_rates == (("out", 700e6),)
+    assert load_options({}).plane_rates is None
+    for value, error in [("side=1gbit", "unknown plane 'side'"), ("up", "needs plane=rate"),
+                         ("up=fast", "cannot read rate"), ("up=0", "not positive"),
+                         ("up=1gbit,up=2gbit", "two rates"), (",", "no plane rate")]:
+        with pytest.raises(ConfigError, match=error):
+            load_options({"MPCCS_PLANE_RATES": value})
+
+
+def test_stated_plane_rates_replace_the_priors_the_tuner_plans_by():
+    # 2 domains of 2 at 1:1: the priors (5 GB/s shm against 700 MB/s tcp) keep the
+    # hierarchical all_reduce on one plane; the stated rates let it split in-domain steps.
+    import types
+
+    from mpccs.algorithms import Topology
+    from mpccs.comm import Communicator
+    from mpccs.control.tuner import choose
+
+    def plan(**options):
+        c = types.SimpleNamespace(options=load_options({}, **options), rank=0)
+        controller = Communicator._make_controller(c)
+        return controller, choose("all_reduce", 4, 64 << 20, Topology((0, 0, 1, 1)), c._prior_costs, reduce_Bps=5e9)
+
+    controller, default = plan()
+    assert default.split_policy == "single" and controller.config.prior_rate_Bps == {"up": 5e9, "out": 0.7e9}
+    controller, stated = plan(plane_rates="up=500mbit,out=500mbit")
+    assert (stated.algorithm, stated.split_policy) == ("hierarchical", "multipath")
+    assert controller.config.prior_rate_Bps == {"up": 62.5e6, "out": 62.5e6}
+    assert plan(plane_rates="up=1gbit,out=500mbit")[1].split_policy == "single"  # 2:1: the bound is 1.00x
+    assert plan(plane_rates="out=500mbit")[0].config.prior_rate_Bps == {"up": 5e9, "out": 62.5e6}
+
+
+def test_ranks_that_state_different_plane_rates_refuse_to_start(tmp_path):
+    path = tmp_path / "rates.py"
+    path.write_text(textwrap.dedent(
+        """
+        import os
+        os.environ["MPCCS_PLANE_RATES"] = "up=1gbit,out=500mbit" if os.environ["RANK"] == "0" else "up=1gbit,out=1gbit"
+        import mpccs
+        from mpccs.errors import ConfigError
+        try:
+            mpccs.init()
+        except ConfigError as exc:
+            print("REFUSED", exc, flush=True)
+        """))
+    out = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "2", str(path)], env=clean_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "[rank 0] REFUSED rank 0: MPCCS_PLANE_RATES [[\"up\", 125000000.0], [\"out\", 62500000.0]] differs on " \
+           "rank(s) [1]" in out.stdout, out.stdout
+    assert "[rank 1] REFUSED rank 1: MPCCS_PLANE_RATES" in out.stdout and "differs on rank(s) [0]" in out.stdout

@@ -304,3 +304,11 @@ def test_info_reports_the_qos_caps():
                        env=dict(clean_env(), MPCCS_OUT_CAP_RATE="250mbit", MPCCS_OUT_CAP="0.3"))
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["qos"] == {"out_cap_share": 0.3, "out_cap_rate_Bps": 31.25e6}
+    assert json.loads(p.stdout)["plane_rates"] == {"stated": False, "up": 5e9, "out": 0.7e9}
+
+
+def test_info_reports_the_stated_plane_rates():
+    p = subprocess.run([os.path.join(BIN, "mpccs-info")], capture_output=True, text=True, timeout=120,
+                       env=dict(clean_env(), MPCCS_PLANE_RATES="out=1gbit"))
+    assert p.returncode == 0, p.stderr
+    assert "# plane rates the tuner plans by: up=5000 MB/s  out=125 MB/s (MPCCS_PLANE_RATES)" in p.stdout, p.stdout
