@@ -391,6 +391,16 @@ class StageRun:
         return {plane: {"first_s": round(first - self.t_start, 6), "last_s": round(last - self.t_start, 6),
                         "bytes": nbytes} for plane, (first, last, nbytes) in seen.items()}
 
+    def busy_intervals(self):
+        """Per (plane, peer): (plane, peer, bytes, start, end), the span this stage's chunks were
+        arriving here, from one chunk's spacing before the first to the last (flows of one chunk
+        give no spacing and are left out). In a pipelined schedule the link is shared with the
+        other channels' stages, so these spans, not the stage's, tell when the link was busy
+        (CollectiveOp._teach_port_rates)."""
+        for (plane, peer), (first, last, nbytes, chunks) in self.arrivals.items():
+            if chunks > 1 and last > first:
+                yield plane, peer, nbytes, first - (last - first) / (chunks - 1), last
+
     def delivery_samples(self):
         """One delivery sample per (plane, peer) over the whole stage.
 

@@ -772,3 +772,36 @@ def test_each_policy_keeps_its_own_call_answers_when_the_policy_alternates(pools
         assert paths["up"] == paths["adaptive"] and paths["up"].startswith("direct"), paths
         assert not paths["out"].startswith("direct"), paths
         assert kept[3:] == [True] * 3, kept  # set again: its answers were kept
+
+
+def pipelined_all_reduces(comm, calls):
+    """Adaptive 16 MiB all_reduces (float32): each result, and where the bytes went."""
+    n = LARGE_BYTES // 4
+    x = (np.arange(n, dtype=np.float32) % 7) * (comm.rank + 1)
+    want = (np.arange(n, dtype=np.float32) % 7) * sum(r + 1 for r in range(comm.size))
+    seen = []
+    for _ in range(calls):
+        y = np.empty_like(x)
+        comm.all_reduce(x, y)
+        assert np.array_equal(y, want)
+        stats = comm.last_stats()
+        in_domain_out = sum(s["bytes_per_plane"]["out"] for s in stats["stages"] if s["label"].startswith("intra"))
+        events = [e.get("event") for e in stats.get("events", ()) if e.get("kind") == "controller"]
+        seen.append((stats["algorithm"], stats["channels"], in_domain_out, events))
+    return seen
+
+
+def test_stated_rates_split_a_pipelined_hierarchical_all_reduce_from_the_first_call():
+    # 2 domains of 2 with 1:1 stated rates: the tuner plans the 4-channel hierarchical
+    # all_reduce multipath (with the default priors, 7:1, it keeps it on one plane) and 'out'
+    # starts in use, so the first call already puts in-domain bytes on it; later calls follow
+    # the measured rates (shared memory against tcp on loopback here). Every result is exact
+    # and no controller event (drop, check) comes from these stages, which are not judged.
+    pool = RankPool(4, env={"MPCCS_DOMAIN": lambda r: f"d{r // 2}", "MPCCS_PLANE_RATES": "up=1gbit,out=1gbit"})
+    try:
+        for seen in pool.run(pipelined_all_reduces, 8, timeout=180):
+            assert all((alg, channels) == ("hierarchical", 4) for alg, channels, _, _ in seen), seen
+            assert seen[0][2] > 0, seen
+            assert not any(events for _, _, _, events in seen), seen
+    finally:
+        pool.close()

@@ -64,3 +64,32 @@ def test_split_senders_are_the_peers_whose_chunks_came_on_both_planes():
     run = stage_run(0.0, [("up", 1, MB, 0.01), ("out", 1, MB, 0.02), ("up", 2, MB, 0.01), ("up", 2, MB, 0.02)])
     assert run.split_senders() == {1}
     assert stage_run(0.0, []).split_senders() == set()
+
+
+def test_busy_intervals_span_the_chunks_from_one_spacing_before_the_first():
+    # four 1 MB chunks 10 ms apart from 50 ms: busy from 40 ms, whatever the stage start;
+    # a one-chunk flow has no spacing and says nothing of when the link was busy
+    run = stage_run(0.0, [("out", 1, MB, t) for t in (0.05, 0.06, 0.07, 0.08)] + [("up", 0, MB, 0.02)])
+    (plane, peer, nbytes, start, end), = run.busy_intervals()
+    assert (plane, peer, nbytes) == ("out", 1, 4 * MB)
+    assert start == pytest.approx(0.04) and end == pytest.approx(0.08)
+
+
+def test_a_pipelined_operation_teaches_each_plane_the_rate_of_the_link_its_stages_shared():
+    # Overlapping stages share the link into this rank: every sender's path is taught all the
+    # bytes over the union of the busy spans (2.5 s here), not each stage's share of the link.
+    import types
+
+    from mpccs.collective_op import CollectiveOp
+
+    taught = []
+    controller = types.SimpleNamespace(on_delivery=lambda *a, **kw: taught.append((a, kw)))
+    op = types.SimpleNamespace(engine=types.SimpleNamespace(controller=controller), _port_intervals={
+        "out": [(0.5, 1.5, 10 * MB, 2), (0.0, 1.0, 10 * MB, 1), (3.0, 4.0, 5 * MB, 1)],
+        "up": [(0.0, 2.0, 8 * MB, 1)]})
+    CollectiveOp._teach_port_rates(op)
+    by_path = {(a[0], a[1]): a[2:] for a, _ in taught}
+    assert by_path == {("out", 1): (25 * MB, pytest.approx(1.5), 4.0), ("out", 2): (25 * MB, pytest.approx(1.5), 4.0),
+                       ("up", 1): (8 * MB, 0.0, 2.0)}
+    assert all(kw == {"size_evidence": False} for _, kw in taught)  # a rate, not how time grows with size
+    assert op._port_intervals == {}

@@ -1469,9 +1469,13 @@ def _validate(flows: Sequence[FlowDemand]) -> None:
 
 
 def _judgeable(flows: Sequence[FlowDemand], min_bytes: int) -> bool:
-    """A rank's stage says something about a second plane only if one plane could carry it all
-    (companions, which stand for other channels' load, are not the stage's flows)."""
-    flows = [f for f in flows if not f.companion]
+    """A rank's stage says something about a second plane only if one plane could carry it all,
+    and only if the stage has its links to itself: a stage with companions (other channels'
+    stages of a pipelined schedule, on the same links at once) takes mostly its wait behind
+    them, so a joint stage read slower than an all-'up' check stage (0.197 s against 0.138,
+    4 ranks as 2 domains at 1:1) while the operations it ran in were 1.1-1.2x faster."""
+    if any(f.companion for f in flows):
+        return False
     return bool(flows) and all(qos.is_borrowable(f) for f in flows) and sum(f.nbytes for f in flows) >= min_bytes
 
 
