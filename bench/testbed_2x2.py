@@ -34,26 +34,51 @@ def main() -> int:
     ap.add_argument("--up-rate", default="1gbit")
     ap.add_argument("--out-rate", default="500mbit")
     ap.add_argument("--iters", type=int, default=10)  # the method's minimum (docs/benchmarks.md)
+    ap.add_argument("--fixed", default="", help="fixed fractions on up to time beside the policies "
+                    "(e.g. 0.75,0.7): the best of them is the oracle split adaptive is read against")
+    ap.add_argument("--plane-rates", action="store_true",
+                    help="state the shaped rates to mpccs (MPCCS_PLANE_RATES), as a user who knows the links would")
+    ap.add_argument("--trace", default=None, help="MPCCS_TRACE path for the ranks (JSON lines per operation)")
     ns = ap.parse_args()
     os.makedirs(ns.out, exist_ok=True)
     path = os.path.join(ns.out, "perf.json")
+    fixed = [f"{float(f):g}" for f in ns.fixed.split(",") if f]  # as mpccs-perf labels them
     with Cluster(n=4, domains="0,0,1,1", up="tcp", up_rate=ns.up_rate, out_rate=ns.out_rate,
                  log=lambda m: None) as cluster:
+        policies = ",".join(["up", "up", "out", *fixed, "adaptive"])
         argv = [sys.executable, "-m", "mpccs.perf", "all_reduce", "-b", "16M", "-e", "64M", "-f", "4",
-                "-n", str(ns.iters), "-w", "2", "--policies", "up,up,out,adaptive", "--quiet", "-J", path]
-        run = cluster.run(argv, timeout=3000, stream=open(os.devnull, "w"))
+                "-n", str(ns.iters), "-w", "2", "--policies", policies, "--quiet", "-J", path]
+        env = {"MPCCS_PLANE_RATES": f"up={ns.up_rate},out={ns.out_rate}"} if ns.plane_rates else {}
+        if ns.trace:
+            env["MPCCS_TRACE"] = ns.trace
+        run = cluster.run(argv, env=env, timeout=3000, stream=open(os.devnull, "w"))
         if run.exit_code != 0:
             raise SystemExit("\n".join(run.output[0][-30:]))
     with open(path) as fh:
         data = json.load(fh)
+    text, verdicts = report(data, ns.up_rate, ns.out_rate, ns.iters, fixed, env.get("MPCCS_PLANE_RATES"))
+    with open(os.path.join(ns.out, "report.md"), "w") as fh:
+        fh.write(text)
+    with open(os.path.join(ns.out, "verdicts.json"), "w") as fh:
+        json.dump(verdicts, fh, indent=1)
+    print(text)
+    return 0
+
+
+def report(data: dict, up_rate: str, out_rate: str, iters: int, fixed: list, stated) -> tuple[str, list]:
+    """The markdown report and the verdicts of one mpccs-perf run (its -J data):
+    adaptive against the best single plane, and, where ``fixed`` fractions were
+    timed, the best of them (an oracle: can the target hold on these links at all?)."""
     rows = {(r["policy"], r["size"]): r for r in data["rows"]}
     lines = ["# Testbed, 4 ranks as 2 domains of 2 (up within a domain, out between all), all_reduce", "",
-             f"Rates: up {ns.up_rate}, out {ns.out_rate}; {ns.iters} iterations per point, interleaved; "
+             f"Rates: up {up_rate}, out {out_rate}; {iters} iterations per point, interleaved; "
              f"measured {time.strftime('%Y-%m-%dT%H:%M:%S')}. Target: adaptive >= {TARGET}x the best single plane.",
-             "", "| size | algorithm (adaptive) | busbw up | busbw out | busbw adaptive | adaptive / best single [95% CI] "
-             "| A/A floor | ceiling | busbw bound (multipath) | verdict |", "|---|---|---:|---:|---:|---|---:|---:|---:|---|"]
-    up_Bps, out_Bps = parse_rate(ns.up_rate) / 8, parse_rate(ns.out_rate) / 8
-    verdicts = []
+             "", "Rates stated to mpccs (MPCCS_PLANE_RATES): " + (stated or "none (the priors: 5 GB/s up, 700 MB/s out)")
+             + ".", "", "| size | algorithm (adaptive) | busbw up | busbw out | busbw adaptive | adaptive / best single "
+             "[95% CI] | A/A floor | ceiling | busbw bound (multipath) | verdict |",
+             "|---|---|---:|---:|---:|---|---:|---:|---:|---|"]
+    up_Bps, out_Bps = parse_rate(up_rate) / 8, parse_rate(out_rate) / 8
+    verdicts, oracles = [], []
     for size in sorted({r["size"] for r in data["rows"]}):
         up, up2, out, ad = (rows[(p, size)] for p in ("up", "up#2", "out", "adaptive"))
         best = up if up["busbw"] >= out["busbw"] else out
@@ -62,19 +87,26 @@ def main() -> int:
         ok = holds(ratio, TARGET, floor)
         bounds = all_reduce_bounds(size, [0, 0, 1, 1], up_Bps, out_Bps)
         bound_busbw = 1.5 * size / bounds.multipath_s / 1e9  # nccl-tests' all_reduce factor 2(p-1)/p at p = 4
-        verdicts.append({"size": size, "ratio": ratio, "floor": floor, "holds": ok, "ceiling": bounds.ceiling,
-                         "bound_busbw": bound_busbw})
+        verdict = {"size": size, "ratio": ratio, "floor": floor, "holds": ok, "ceiling": bounds.ceiling,
+                   "bound_busbw": bound_busbw}
+        oracle = min((rows[(f, size)] for f in fixed), key=lambda r: r["time_us"], default=None)
+        if oracle is not None:
+            oracle_ratio = ratio_ci(oracle["times_us"], best["times_us"], paired=True)
+            verdict["oracle"] = {"fraction_on_up": oracle["policy"], "ratio": oracle_ratio,
+                                 "holds": holds(oracle_ratio, TARGET, floor)}
+            oracles.append(f"| {size >> 20} MiB | {oracle['policy']} | {oracle['busbw']:.3f} | "
+                           f"{oracle_ratio[0]:.2f} [{oracle_ratio[1]:.2f}, {oracle_ratio[2]:.2f}] | "
+                           f"{'holds' if verdict['oracle']['holds'] else 'NOT MET'} |")
+        verdicts.append(verdict)
         algorithm = f"{ad.get('algorithm', '?')}, {ad.get('channels') or 1} channel(s)"
         lines.append(f"| {size >> 20} MiB | {algorithm} | {up['busbw']:.3f} | {out['busbw']:.3f} | "
                      f"{ad['busbw']:.3f} | {ratio[0]:.2f} [{ratio[1]:.2f}, {ratio[2]:.2f}] | {floor:.3f} | "
                      f"{bounds.ceiling:.2f} | {bound_busbw:.3f} | {'holds' if ok else 'NOT MET'} |")
-    text = "\n".join(lines) + "\n"
-    with open(os.path.join(ns.out, "report.md"), "w") as fh:
-        fh.write(text)
-    with open(os.path.join(ns.out, "verdicts.json"), "w") as fh:
-        json.dump(verdicts, fh, indent=1)
-    print(text)
-    return 0
+    if oracles:
+        lines += ["", f"The best fixed split of those timed ({', '.join(fixed)} on up), against the best single plane:",
+                  "", "| size | fraction on up | busbw | fixed / best single [95% CI] | verdict |",
+                  "|---|---|---:|---|---|", *oracles]
+    return "\n".join(lines) + "\n", verdicts
 
 
 if __name__ == "__main__":

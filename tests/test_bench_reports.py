@@ -1,5 +1,5 @@
 """The reports of bench/peer_rounds.py, two_step_ab.py, blocks_ab.py, cma_ab.py, group_lane_ab.py,
-setup_timeline.py, testbed_targets.py and shared_bottleneck.py, and bench/stats.py's interleaving, on synthetic
+setup_timeline.py, testbed_targets.py, shared_bottleneck.py and testbed_2x2.py, and bench/stats.py's interleaving, on synthetic
 timings (the runs themselves are benchmarks, not tests)."""
 import importlib.util
 import json
@@ -335,3 +335,26 @@ def test_adaptive_vs_up_reads_0_97_from_64_kib_and_not_below_under_it(tmp_path):
     assert cells["32 KiB"][4:7] == ["not below", "0.980", "no"]
     assert cells["64 KiB"][4:7] == [">= 0.97", "0.980", "yes"]
     assert "2 of 3 sizes hold by the strict rule." in avu.report(str(tmp_path))
+
+
+def test_testbed_2x2_reads_the_best_fixed_split_against_the_best_single_plane():
+    two_by_two = load("testbed_2x2")
+    mib = 1 << 20
+
+    def row(policy, times):
+        return {"size": 16 * mib, "policy": policy, "times_us": list(times), "time_us": sorted(times)[len(times) // 2],
+                "busbw": 1e6 / sorted(times)[len(times) // 2], "algorithm": "hierarchical", "channels": 4}
+
+    up = [100.0 + (i % 3) for i in range(12)]
+    data = {"rows": [row("up", up), row("up#2", up), row("out", [1.6 * t for t in up]),
+                     row("0.8", [t / 1.20 for t in up]), row("0.75", [t / 1.25 for t in up]),
+                     row("adaptive", [t / 1.10 for t in up])]}
+    text, (verdict,) = two_by_two.report(data, "500mbit", "500mbit", 12, ["0.8", "0.75"], "up=500mbit,out=500mbit")
+    assert verdict["ratio"][0] == pytest.approx(1.10) and not verdict["holds"]  # adaptive: 1.10 < 1.15
+    assert verdict["oracle"]["fraction_on_up"] == "0.75"  # the faster of the two fixed splits
+    assert verdict["oracle"]["ratio"][0] == pytest.approx(1.25) and verdict["oracle"]["holds"]  # floor 0
+    assert verdict["ceiling"] == pytest.approx(1.33, abs=0.01)  # 1:1 rates (mpccs.sim.bounds)
+    assert "| 16 MiB | 0.75 |" in text and "(MPCCS_PLANE_RATES): up=500mbit,out=500mbit." in text
+    plain, (alone,) = two_by_two.report({"rows": data["rows"][:3] + data["rows"][5:]}, "1gbit", "500mbit", 12, [], None)
+    assert "oracle" not in alone and "best fixed split" not in plain and "none (the priors" in plain
+    assert alone["ceiling"] == pytest.approx(1.0)  # 2:1: no split can beat an overlapped 'up'
