@@ -21,6 +21,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 from stats import holds, noise_floor, ratio_ci  # noqa: E402
 
+from mpccs.control import ControlConfig  # noqa: E402
 from mpccs.sim.bounds import all_reduce_bounds  # noqa: E402
 from mpccs.testbed import Cluster  # noqa: E402
 from mpccs.testbed.netns import parse_rate  # noqa: E402
@@ -73,8 +74,7 @@ def report(data: dict, up_rate: str, out_rate: str, iters: int, fixed: list, sta
     lines = ["# Testbed, 4 ranks as 2 domains of 2 (up within a domain, out between all), all_reduce", "",
              f"Rates: up {up_rate}, out {out_rate}; {iters} iterations per point, interleaved; "
              f"measured {time.strftime('%Y-%m-%dT%H:%M:%S')}. Target: adaptive >= {TARGET}x the best single plane.",
-             "", "Rates stated to mpccs (MPCCS_PLANE_RATES): " + (stated or "none (the priors: 5 GB/s up, 700 MB/s out)")
-             + ".", "", "| size | algorithm (adaptive) | busbw up | busbw out | busbw adaptive | adaptive / best single "
+             "", "Rates stated to mpccs (MPCCS_PLANE_RATES): " + (stated or _priors_text()) + ".", "", "| size | algorithm (adaptive) | busbw up | busbw out | busbw adaptive | adaptive / best single "
              "[95% CI] | A/A floor | ceiling | busbw bound (multipath) | verdict |",
              "|---|---|---:|---:|---:|---|---:|---:|---:|---|"]
     up_Bps, out_Bps = parse_rate(up_rate) / 8, parse_rate(out_rate) / 8
@@ -107,6 +107,11 @@ def report(data: dict, up_rate: str, out_rate: str, iters: int, fixed: list, sta
                   "", "| size | fraction on up | busbw | fixed / best single [95% CI] | verdict |",
                   "|---|---|---:|---|---|", *oracles]
     return "\n".join(lines) + "\n", verdicts
+
+
+def _priors_text() -> str:
+    rates = ControlConfig().prior_rate_Bps  # what the tuner plans by when no rates are stated
+    return f"none (the priors: {rates['up'] / 1e9:g} GB/s up, {rates['out'] / 1e6:g} MB/s out)"
 
 
 if __name__ == "__main__":

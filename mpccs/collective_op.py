@@ -827,12 +827,12 @@ class CollectiveOp(Operation):
             # fixed-policy operations (a benchmark interleaving 'out' or
             # 0.8 with 'adaptive') describe splits it did not choose and
             # upset its solo/joint bookkeeping.
-            probing = _probing(run.plan, self.rank)
-            split = run.split_senders()
             if self.schedule.channels > 1:
                 for plane, sender, nbytes, t_first, t_last in run.busy_intervals():
                     self._port_intervals.setdefault(plane, []).append((t_first, t_last, nbytes, sender))
             else:
+                probing = _probing(run.plan, self.rank)
+                split = run.split_senders()
                 for plane, sender, nbytes, t_first, t_last in run.delivery_samples():
                     controller.on_delivery(plane, sender, nbytes, t_first, t_last,
                                            size_evidence=not probing and sender in split)

@@ -399,7 +399,7 @@ class StageRun:
         (CollectiveOp._teach_port_rates)."""
         for (plane, peer), (first, last, nbytes, chunks) in self.arrivals.items():
             if chunks > 1 and last > first:
-                yield plane, peer, nbytes, first - (last - first) / (chunks - 1), last
+                yield plane, peer, nbytes, _one_spacing_before(first, last, chunks), last
 
     def delivery_samples(self):
         """One delivery sample per (plane, peer) over the whole stage.
@@ -438,7 +438,12 @@ class StageRun:
         for (plane, peer), (first, last, nbytes, chunks) in self.arrivals.items():
             start = self.t_start
             if chunks > 1:
-                late = first - (last - first) / (chunks - 1)
+                late = _one_spacing_before(first, last, chunks)
                 start = max(start, min(late, self.silent_until.get((plane, peer), start)))
             if nbytes and last > start:
                 yield plane, peer, nbytes, start, last
+
+
+def _one_spacing_before(first: float, last: float, chunks: int) -> float:
+    """When a flow's first chunk started arriving: one mean gap between its arrivals before it."""
+    return first - (last - first) / (chunks - 1)
