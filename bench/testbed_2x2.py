@@ -39,6 +39,8 @@ def main() -> int:
                     "(e.g. 0.75,0.7): the best of them is the oracle split adaptive is read against")
     ap.add_argument("--plane-rates", action="store_true",
                     help="state the shaped rates to mpccs (MPCCS_PLANE_RATES), as a user who knows the links would")
+    ap.add_argument("--tune", default=None, help="MPCCS_TUNE for the ranks, every policy alike "
+                    "(e.g. all_reduce:*:hierarchical:channels=8)")
     ap.add_argument("--trace", default=None, help="MPCCS_TRACE path for the ranks (JSON lines per operation)")
     ns = ap.parse_args()
     os.makedirs(ns.out, exist_ok=True)
@@ -52,6 +54,8 @@ def main() -> int:
         env = {"MPCCS_PLANE_RATES": f"up={ns.up_rate},out={ns.out_rate}"} if ns.plane_rates else {}
         if ns.trace:
             env["MPCCS_TRACE"] = ns.trace
+        if ns.tune:
+            env["MPCCS_TUNE"] = ns.tune
         run = cluster.run(argv, env=env, timeout=3000, stream=open(os.devnull, "w"))
         if run.exit_code != 0:
             raise SystemExit("\n".join(run.output[0][-30:]))

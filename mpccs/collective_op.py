@@ -858,7 +858,8 @@ class CollectiveOp(Operation):
             total = sum(nbytes for _, _, nbytes, _ in intervals)
             if busy > 0:
                 for sender in sorted({sender for _, _, _, sender in intervals}):
-                    controller.on_delivery(plane, sender, total, reach - busy, reach, size_evidence=False)
+                    controller.on_delivery(plane, sender, total, reach - busy, reach, size_evidence=False,
+                                           rate_only=True)
         self._port_intervals = {}
 
     def _log_stage(self, run: StageRun) -> None:

@@ -151,6 +151,26 @@ def test_hierarchical_topologies(collective, topology):
     assert len(schedule.stages) == expected[collective]
 
 
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_gather"])
+def test_hierarchical_channels_take_turns_on_each_step(collective):
+    # Step t of channel k waits for step t of channel k - 1 (a pipeline: channel 0
+    # reaches its cross-domain phase first), and for nothing of a later channel.
+    topology = Topology((0, 0, 1, 1))
+    schedule = build_schedule(collective, 4, 4096, algorithm="hierarchical", topology=topology, channels=4)
+    by_channel = {}
+    for stage in schedule.stages:
+        by_channel.setdefault(stage.channel, []).append(stage)
+    assert sorted(by_channel) == [0, 1, 2, 3]
+    steps = len(by_channel[0])
+    assert all(len(stages) == steps for stages in by_channel.values())
+    for k in range(1, 4):
+        for t in range(steps):
+            stage, before = by_channel[k][t], by_channel[k - 1][t]
+            assert before.id in stage.deps, (k, t)
+            assert all(schedule.stages[d].channel <= k for d in stage.deps)
+    assert all(not any(schedule.stages[d].channel != 0 for d in st.deps) for st in by_channel[0])
+
+
 @pytest.mark.parametrize("topology", [Topology.flat(4), Topology((0, 0, 0, 1)), Topology.blocks(5, 2)],
                          ids=["one-domain", "unequal", "unequal-blocks"])
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_gather"])
@@ -367,14 +387,17 @@ def test_hazard_checker_ignores_chains_through_uninvolved_ranks():
 
 def test_structure_checker_flags_bad_fields():
     stages = (
-        Stage(0, (Flow(5, 0, 1, "out", 0, "out", 0, 0),)),  # zero count
+        Stage(0, (Flow(5, 0, 1, "out", 0, "out", 0, 0),), channel=1),  # zero count
         Stage(1, (Flow(5, 1, 0, "out", 0, "in", 0, 1),), deps=(1,)),  # duplicate id, self dep, writes in
-        Stage(2, (Flow(MAX_FLOW_ID, 0, 1, "out", 3, "out", 0, 2),), channel=1, deps=(0,)),  # id too big, out of bounds
+        Stage(2, (Flow(MAX_FLOW_ID, 0, 1, "out", 3, "out", 0, 2),), channel=1, deps=(1,)),  # id too big, out of bounds
+        Stage(3, (Flow(6, 0, 1, "out", 0, "out", 0, 1),), deps=(0,)),  # waits for a later channel
     )
     problems = check_structure(Schedule("all_reduce", "bad", 2, 4, stages, channels=2))
     text = "\n".join(problems)
-    for needle in ("count 0", "duplicate", "deps", "buffers", "2**20", "outside", "depends on stage 0 of ch0"):
+    for needle in ("count 0", "duplicate", "deps", "buffers", "2**20", "outside", "depends on stage 0 of ch1"):
         assert needle in text, needle
+    # Waiting for an earlier channel is how a pipeline's channels take turns (interleave(in_order=True)).
+    assert not any("stage 2 (ch1) depends" in p for p in problems)
 
 
 def test_async_executor_catches_missing_deps():

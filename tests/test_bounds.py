@@ -131,7 +131,7 @@ def test_controller_balances_a_pipelined_hierarchical_all_reduce_in_the_simulato
 
 def test_across_h100_domains_the_pipelined_single_plane_policy_leaves_nothing_to_split():
     """16 domains of 8 H100s, 1 GiB: the scenario runs what the engine's tuner
-    picks (four channels); 'up' alone then beats every split, as the bound's
+    picks (16 channels); 'up' alone then beats every split, as the bound's
     ceiling of 1.00 says (NVLink / NIC 8.6 > (l-1) D / (D-1) = 7.5). On one
     channel the NICs idled through the intra-domain phases and a split looked
     worth +4.6%."""
@@ -142,7 +142,7 @@ def test_across_h100_domains_the_pipelined_single_plane_policy_leaves_nothing_to
 
     h100 = PRESETS["h100"].with_(copy_GBps=math.inf)
     scenario = Scenario(h100, 16, "all_reduce", 1 << 30)
-    assert scenario.schedule("hierarchical").channels == 4
+    assert scenario.schedule("hierarchical").channels == 16
     single = scenario.run("hierarchical", FixedShare(0.0)).time_s
     assert all(scenario.run("hierarchical", FixedShare(x)).time_s >= single for x in (0.02, 0.05, 0.1))
     up = h100.up_port.usable_GBps * 1e9

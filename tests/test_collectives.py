@@ -792,7 +792,7 @@ def pipelined_all_reduces(comm, calls):
 
 
 def test_stated_rates_split_a_pipelined_hierarchical_all_reduce_from_the_first_call():
-    # 2 domains of 2 with 1:1 stated rates: the tuner plans the 4-channel hierarchical
+    # 2 domains of 2 with 1:1 stated rates: the tuner plans the 8-channel hierarchical
     # all_reduce multipath (with the default priors, 7:1, it keeps it on one plane) and 'out'
     # starts in use, so the first call already puts in-domain bytes on it; later calls follow
     # the measured rates (shared memory against tcp on loopback here). Every result is exact
@@ -800,7 +800,7 @@ def test_stated_rates_split_a_pipelined_hierarchical_all_reduce_from_the_first_c
     pool = RankPool(4, env={"MPCCS_DOMAIN": lambda r: f"d{r // 2}", "MPCCS_PLANE_RATES": "up=1gbit,out=1gbit"})
     try:
         for seen in pool.run(pipelined_all_reduces, 8, timeout=180):
-            assert all((alg, channels) == ("hierarchical", 4) for alg, channels, _, _ in seen), seen
+            assert all((alg, channels) == ("hierarchical", 8) for alg, channels, _, _ in seen), seen
             assert seen[0][2] > 0, seen
             assert not any(events for _, _, _, events in seen), seen
     finally:

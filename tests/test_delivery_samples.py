@@ -91,5 +91,6 @@ def test_a_pipelined_operation_teaches_each_plane_the_rate_of_the_link_its_stage
     by_path = {(a[0], a[1]): a[2:] for a, _ in taught}
     assert by_path == {("out", 1): (25 * MB, pytest.approx(1.5), 4.0), ("out", 2): (25 * MB, pytest.approx(1.5), 4.0),
                        ("up", 1): (8 * MB, 0.0, 2.0)}
-    assert all(kw == {"size_evidence": False} for _, kw in taught)  # a rate, not how time grows with size
+    # a rate: not how time grows with size, nor the path's delay
+    assert all(kw == {"size_evidence": False, "rate_only": True} for _, kw in taught)
     assert op._port_intervals == {}

@@ -225,17 +225,22 @@ class ScheduleBuilder:
         for label, moves in steps:
             self.stage(moves, channel=channel, label=label)
 
-    def interleave(self, per_channel: Sequence[Sequence[Step]]) -> None:
+    def interleave(self, per_channel: Sequence[Sequence[Step]], *, in_order: bool = False) -> None:
         """Append step t of every channel before step t+1 of any channel.
 
         Ids then follow time, which helps an engine that posts in id order.
+        With ``in_order`` step t of channel c also waits for step t of channel
+        c - 1: a pipeline whose channels take turns on each step instead of
+        all sharing the links at once (algorithms.hierarchical).
         """
         longest = max((len(steps) for steps in per_channel), default=0)
         for t in range(longest):
+            previous: tuple[int, ...] = ()
             for channel, steps in enumerate(per_channel):
                 if t < len(steps):
                     label, moves = steps[t]
-                    self.stage(moves, channel=channel, label=f"{label} ch{channel}" if len(per_channel) > 1 else label)
+                    previous = self.stage(moves, channel=channel, after=[previous] if in_order else (),
+                                          label=f"{label} ch{channel}" if len(per_channel) > 1 else label)
 
     def build(self) -> Schedule:
         spec = self.spec

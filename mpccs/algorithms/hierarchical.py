@@ -17,6 +17,17 @@ with the same j in every domain.
 
 Unequal domains, or a single domain, fall back to ring; the schedule says so
 in ``meta["fallback"]``.
+
+With c channels (the buffer in c slices, each its own chain of phases) the
+channels take turns: step t of channel k waits for step t of channel k - 1
+(ScheduleBuilder.interleave(in_order=True)), so channel 0 leaves its
+in-domain phase first and its cross-domain phase runs while channel 1 is in
+the domain, as a pipeline. Without the turns every channel's first step
+started at once and shared the links: on the 2x2 testbed at 1:1 each rank's
+in-domain 'out' parts of all channels sat queued on the 'out' link ahead of
+the first cross-domain step, and a 64 MiB all_reduce splitting 25% of its
+in-domain bytes onto 'out' took 1.10-1.24 s against 1.09 on 'up' alone; with
+the turns it took 0.85-0.94 s (16 channels).
 """
 from __future__ import annotations
 
@@ -72,7 +83,7 @@ def all_reduce_hierarchical(spec: Spec) -> Schedule:
             inter_ag.append(ring_all_gather_steps(peers, sub, "out"))
         intra_ag = zip_steps([ring_all_gather_steps(d, blocks, "out") for d in domains], "intra ag")
         per_channel.append(intra_rs + zip_steps(inter_rs, "inter rs") + zip_steps(inter_ag, "inter ag") + intra_ag)
-    b.interleave(per_channel)
+    b.interleave(per_channel, in_order=True)
     return b.build()
 
 
@@ -99,7 +110,7 @@ def reduce_scatter_hierarchical(spec: Spec) -> Schedule:
             for j in range(len(domains[0]))
         ], "inter rs")
         per_channel.append(intra + inter)
-    b.interleave(per_channel)
+    b.interleave(per_channel, in_order=True)
     for r in range(p):
         b.epilogue(r, "work", r * n, "out", 0, n)
     return b.build()
@@ -123,5 +134,5 @@ def all_gather_hierarchical(spec: Spec) -> Schedule:
         ], "inter ag")
         intra = zip_steps([ring_all_gather_steps(d, groups, "out") for d in domains], "intra ag")
         per_channel.append(inter + intra)
-    b.interleave(per_channel)
+    b.interleave(per_channel, in_order=True)
     return b.build()

@@ -330,7 +330,8 @@ def check_structure(schedule: Schedule) -> list[str]:
         if not 0 <= st.channel < s.channels:
             problems.append(f"stage {st.id}: channel {st.channel} outside [0, {s.channels})")
         for d in st.deps:
-            if 0 <= d < len(s.stages) and s.stages[d].channel != st.channel:
+            # A channel may wait for an earlier one (a pipeline's channels taking turns), never a later one.
+            if 0 <= d < len(s.stages) and s.stages[d].channel > st.channel:
                 problems.append(f"stage {st.id} (ch{st.channel}) depends on stage {d} of ch{s.stages[d].channel}")
         for f in st.flows:
             where = f"stage {st.id} flow {f.id}"

@@ -777,7 +777,7 @@ class PathController:
         self.estimator.observe(self.rank if src is None else src, plane, peer, nbytes, t_post, t_done)
 
     def on_delivery(self, plane: str, sender: int, nbytes: int, t_start: float, t_last: float,
-                    size_evidence: bool = True) -> None:
+                    size_evidence: bool = True, rate_only: bool = False) -> None:
         """Bytes from ``sender`` that arrived here over ``plane`` between
         ``t_start`` and ``t_last``: a sample of the path sender -> this rank.
         Filed under the sender's path and exported for it: a rank that filed
@@ -795,9 +795,10 @@ class PathController:
         MB at 340-380 (the tbf bucket's burst counts more in a smaller
         transfer); taken as latency growing faster than size, 'up' was
         planned at 0.8x its split stages' rate for the next 8 s, 215-265 MB/s,
-        and the split put 0.62 of the bytes on 'up' instead of 0.69."""
+        and the split put 0.62 of the bytes on 'up' instead of 0.69.
+        ``rate_only``: see PathEstimator.add."""
         self.estimator.observe(sender, plane, self.rank, nbytes, t_start, t_last, port=self.rank,
-                               size_evidence=size_evidence)
+                               size_evidence=size_evidence, rate_only=rate_only)
 
     def on_stage(self, decision: StageDecision, t_start: float, t_end: float,
                  bytes_by_plane: Mapping[str, int], rank: Optional[int] = None,

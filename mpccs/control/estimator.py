@@ -188,14 +188,21 @@ class PathEstimator:
         # samples (see SUPERLINEAR_MIN_SIZE_RATIO), else None
         self._larger: Optional[tuple[float, int, float, float, int]] = None
         self._no_size_evidence: deque = deque(maxlen=max_samples)  # t_done of idle-start samples from probes
+        self._rate_only: deque = deque(maxlen=max_samples)  # t_done of samples that hold no path delay (add)
         self._version = 0
         self._cache = None
 
     def add(self, nbytes: int, t_post: float, t_done: float, prev_done: Optional[float],
-            size_evidence: bool = True) -> None:
+            size_evidence: bool = True, rate_only: bool = False) -> None:
         """One completion. ``size_evidence`` False: a rate sample, not evidence of how
         latency grows with size (a probe's stage, the first on a plane that was
-        dropped: see _note_larger)."""
+        dropped: see _note_larger). ``rate_only``: nor of the path's delay, and
+        so left out of the delay fit (_fit_delay): a pipelined operation's bytes
+        over the time they were arriving (collective_op._teach_port_rates), whose
+        time is not a delay plus bytes over rate. Fitted beside each other, the
+        16 MiB points' 8 MiB and the 64 MiB points' 48 MiB gave 'out' a 0.29 s
+        delay at 80 MB/s on a 62.5 MB/s testbed link, and the split moved
+        nothing there for the next operations."""
         latency = t_done - t_post
         if nbytes <= 0 or latency <= _MIN_ELAPSED_S:
             return
@@ -204,8 +211,10 @@ class PathEstimator:
         self._delays.append((t_done, latency, nbytes))
         if idle_start:
             self._clean_delays.append((t_done, latency, nbytes))
-            if not size_evidence:
+            if not size_evidence or rate_only:
                 self._no_size_evidence.append(t_done)
+            if rate_only:
+                self._rate_only.append(t_done)
             self._idle_step()
             self._note_larger(t_done)
         start = t_post if prev_done is None else max(t_post, prev_done)
@@ -416,9 +425,13 @@ class PathEstimator:
         return rate, min(a, min(lat for _, lat, _ in clean))
 
     def _fit_delay(self, clean: list) -> float:
-        """The fixed delay: a least-squares line through (size, latency) when sizes are at least 2x apart, else the prior."""
+        """The fixed delay: a least-squares line through (size, latency) when sizes are at least 2x apart, else the prior.
+
+        Rate-only samples (see add) stay out of the line."""
+        rate_only = set(self._rate_only)
+        clean = [x for x in clean if x[0] not in rate_only]
         sizes = [n for _, _, n in clean]
-        if max(sizes) >= 2 * min(sizes):
+        if sizes and max(sizes) >= 2 * min(sizes):
             a, slope = _line(clean)
             if slope > 0 and a >= 0:
                 return a
@@ -539,11 +552,11 @@ class Estimator:
 
     # -- observations ---------------------------------------------------
     def observe(self, src: int, plane: str, peer: int, nbytes: int, t_post: float, t_done: float,
-                port: Optional[int] = None, size_evidence: bool = True) -> None:
+                port: Optional[int] = None, size_evidence: bool = True, rate_only: bool = False) -> None:
         """One sample of the path ``src`` -> ``peer``, seen at rank ``port``
         (default ``src``: a sender's own completion). ``t_post`` counts as an
         idle start unless the port's previous completion on the plane came
-        later. ``size_evidence``: see PathEstimator.add."""
+        later. ``size_evidence``, ``rate_only``: see PathEstimator.add."""
         if plane not in PLANES:
             raise ValueError(f"unknown plane {plane!r}")
         port = src if port is None else port
@@ -555,7 +568,7 @@ class Estimator:
                                                         prior_latency_s=float(self.prior_latency_s[plane]))
             self._port_of[(src, plane, peer)] = port
         prev = self._last_done.get((port, plane))
-        path.add(nbytes, t_post, t_done, prev, size_evidence)
+        path.add(nbytes, t_post, t_done, prev, size_evidence, rate_only)
         self._last_done[(port, plane)] = t_done if prev is None else max(prev, t_done)
 
     def set_remote(self, reporter: int, entries: Mapping[tuple[int, str, int], tuple[float, float, int]]) -> None:
