@@ -187,7 +187,7 @@ class PathEstimator:
         # transfers when latency last grew faster than size across the fresh
         # samples (see SUPERLINEAR_MIN_SIZE_RATIO), else None
         self._larger: Optional[tuple[float, int, float, float, int]] = None
-        self._no_size_evidence: deque = deque(maxlen=max_samples)  # t_done of idle-start samples from probes
+        self._no_size_evidence: deque = deque(maxlen=max_samples)  # t_done of idle-start samples from probes, rates
         self._rate_only: deque = deque(maxlen=max_samples)  # t_done of samples that hold no path delay (add)
         self._version = 0
         self._cache = None
@@ -201,8 +201,8 @@ class PathEstimator:
         over the time they were arriving (collective_op._teach_port_rates), whose
         time is not a delay plus bytes over rate. Fitted beside each other, the
         16 MiB points' 8 MiB and the 64 MiB points' 48 MiB gave 'out' a 0.29 s
-        delay at 80 MB/s on a 62.5 MB/s testbed link, and the split moved
-        nothing there for the next operations."""
+        delay at 80 MB/s on a 62.5 MB/s testbed link, and the ranks of one
+        operation put 0, 25 and 50% of their in-domain bytes on it."""
         latency = t_done - t_post
         if nbytes <= 0 or latency <= _MIN_ELAPSED_S:
             return
