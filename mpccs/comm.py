@@ -255,9 +255,12 @@ class Communicator:
         # Rates the user states (MPCCS_PLANE_RATES) replace the priors the tuner plans by and the
         # controller starts from; the priors were measured on the development machines (shm against
         # tcp on loopback, 7:1) and choose single-plane plans where the planes are closer than that.
-        priors = {**ControlConfig().prior_rate_Bps, **dict(self.options.plane_rates or ())}
+        # Stated rates are also the planes' line rates: no estimate reads above them.
+        stated = dict(self.options.plane_rates or ())
+        priors = {**ControlConfig().prior_rate_Bps, **stated}
         config = ControlConfig(out_cap_share=self.options.out_cap_share, out_cap_rate_Bps=self.options.out_cap_rate_Bps,
-                               start_on_one_plane=self.options.plane_rates is None, prior_rate_Bps=priors)
+                               start_on_one_plane=self.options.plane_rates is None, prior_rate_Bps=priors,
+                               rate_ceiling_Bps=stated or None)
         self._prior_costs = {p: PathModel(config.prior_rate_Bps[p], config.prior_delay_s[p]) for p in ("up", "out")}
         return PathController(config, rank=self.rank)
 

@@ -358,3 +358,8 @@ def test_testbed_2x2_reads_the_best_fixed_split_against_the_best_single_plane():
     plain, (alone,) = two_by_two.report({"rows": data["rows"][:3] + data["rows"][5:]}, "1gbit", "500mbit", 12, [], None)
     assert "oracle" not in alone and "best fixed split" not in plain and "none (the priors" in plain
     assert alone["ceiling"] == pytest.approx(1.0)  # 2:1: no split can beat an overlapped 'up'
+    # another hierarchical collective: the same ratios, without the all_reduce bound's columns
+    other = {"rows": [dict(r, collective="reduce_scatter") for r in data["rows"]]}
+    text, (scatter,) = two_by_two.report(other, "500mbit", "500mbit", 12, ["0.8", "0.75"], None)
+    assert "reduce_scatter" in text.splitlines()[0] and "ceiling" not in scatter
+    assert scatter["ratio"][0] == pytest.approx(1.10) and "| - | - | NOT MET |" in text

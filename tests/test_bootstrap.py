@@ -347,8 +347,12 @@ def test_stated_plane_rates_replace_the_priors_the_tuner_plans_by():
     controller, stated = plan(plane_rates="up=500mbit,out=500mbit")
     assert (stated.algorithm, stated.split_policy) == ("hierarchical", "multipath")
     assert controller.config.prior_rate_Bps == {"up": 62.5e6, "out": 62.5e6}
+    assert controller.estimator.rate_ceiling_Bps == {"up": 62.5e6, "out": 62.5e6}  # the line rates
     assert plan(plane_rates="up=1gbit,out=500mbit")[1].split_policy == "single"  # 2:1: the bound is 1.00x
-    assert plan(plane_rates="out=500mbit")[0].config.prior_rate_Bps == {"up": 5e9, "out": 62.5e6}
+    only_out = plan(plane_rates="out=500mbit")[0]
+    assert only_out.config.prior_rate_Bps == {"up": 5e9, "out": 62.5e6}
+    assert only_out.estimator.rate_ceiling_Bps == {"out": 62.5e6}  # 'up' stated nothing: no ceiling
+    assert plan()[0].estimator.rate_ceiling_Bps == {}
 
 
 def test_ranks_that_state_different_plane_rates_refuse_to_start(tmp_path):

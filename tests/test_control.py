@@ -277,6 +277,26 @@ def test_rate_only_samples_stay_out_of_the_delay_fit():
     assert rates.rate_Bps == pytest.approx(48 * MiB / (0.8 - 29e-6), rel=1e-3)
 
 
+def test_stated_line_rates_cap_every_estimate():
+    # A peer's data that waited in the receive buffers reads fast: 2 MiB in 8 ms on a
+    # 62.5 MB/s link. With the line rate stated no estimate, own or reported, reads above it;
+    # a slower reading stands.
+    from mpccs.control.estimator import Estimator
+    prior = {"up": 62.5e6, "out": 62.5e6}
+    delay = {"up": 30e-6, "out": 30e-6}
+    for ceiling, expect in ((None, 2 * MiB / 0.008), (prior, 62.5e6)):
+        est = Estimator(prior, delay, rate_ceiling_Bps=ceiling)
+        t = 0.0
+        for _ in range(6):
+            est.observe(1, "out", 0, 2 * MiB, t, t + 0.008, port=0)
+            t += 0.1
+        est.set_remote(2, {(2, "out", 0): (300e6, 30e-6, 0), (3, "out", 0): (40e6, 30e-6, 0)})
+        got = est.measured(1, t)[("out", 0)].rate_Bps
+        assert got == pytest.approx(expect, rel=0.01)
+        assert est.measured(2, t)[("out", 0)].rate_Bps == (300e6 if ceiling is None else 62.5e6)
+        assert est.measured(3, t)[("out", 0)].rate_Bps == 40e6
+
+
 def test_whole_flow_stages_beside_split_ones_do_not_set_the_larger_transfers_rate():
     # 2.4 / 1.2 Gbit/s testbed, 16 MiB all_reduce: check stages sent 8 MiB whole
     # on 'up' (300 MB/s), split stages 5.2 MB (340-380: the tbf bucket's burst

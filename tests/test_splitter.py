@@ -110,6 +110,34 @@ def test_companions_take_out_capacity_and_leave_the_stage_unjudged():
     assert plan_alone.reason["ranks"]["0"]["judgeable"]
 
 
+def test_small_flows_beside_other_channels_stay_on_the_configured_plane():
+    # A 16 MiB hierarchical reduce_scatter on 8 channels (2x2): each in-domain stage sends two
+    # 512 KiB flows, each under min_multipath_bytes. Timed on its own 'out' looks 4x faster
+    # (a busy-span rate read from buffered arrivals), but the other channels' cross-domain steps
+    # load it: beside companions the small flows keep to 'up' (on the testbed they had all gone
+    # to 'out', 1.5x 'up' alone); without companions the faster plane alone still takes them.
+    topo = Topology((0, 0, 1, 1))
+    schedule = build_schedule("reduce_scatter", 4, 1 << 20, algorithm="hierarchical", topology=topo, channels=8)
+    stage = next(s for s in schedule.stages if s.label.startswith("intra rs"))
+    companions = companion_flows(schedule, topo.same_domain)[stage.id]
+
+    def out_bytes(with_companions):
+        rate = {UP: 62.5e6, OUT: 250e6}
+        ctl = Recording(ControlConfig(prior_rate_Bps=rate, prior_delay_s={UP: 1e-4, OUT: 1e-4}), rank=0)
+        splitter = Splitter("adaptive", {UP: Reach({1}), OUT: Reach({1, 2, 3})}, {UP: MiB, OUT: MiB}, ctl,
+                            same_domain=topo.same_domain)
+        sized = [(f, f.count * 4) for f in stage.flows]
+        mine = [x for x in sized if x[0].src == 0]
+        assert len(mine) == 2 and all(n < ctl.config.min_multipath_bytes for _, n in mine)
+        assert sum(n for _, n in mine) >= ctl.config.min_multipath_bytes  # the stage goes to the controller
+        plan = splitter.plan(mine, now=0.0, chunk_bytes=512 * 1024, others=tuple(x for x in sized if x[0].src != 0),
+                             companions=tuple((f, f.count * 4) for f in companions) if with_companions else ())
+        return sum(n - plan.splits[f.id].boundary_bytes for f, n in mine)
+
+    assert out_bytes(with_companions=True) == 0
+    assert out_bytes(with_companions=False) == MiB
+
+
 def test_a_peers_flow_is_predicted_on_its_own_whole_chunks():
     # Each rank's split lands on whole chunks of its sender's chunking; the coflow
     # must predict a peer's flow the same way, or the stage time it reports is the

@@ -106,6 +106,13 @@ class ControlConfig:
     step_down_ratio: float = 0.75
     step_down_samples: int = 4
     prior_rate_Bps: dict = field(default_factory=_default_prior_rate)
+    # The planes' line rates where the user states them (MPCCS_PLANE_RATES): no
+    # estimate reads above them. Delivery samples err fast when a peer's data
+    # waited in the receive buffers; on the 2x2 testbed at 1:1 (62.5 MB/s links)
+    # a 64 MiB hierarchical reduce_scatter read 'out' at up to 250 MB/s, and ranks
+    # of one operation put 50% of their in-domain bytes there instead of 25%
+    # (0.55-0.62 s against 0.43-0.45). None: no ceiling.
+    rate_ceiling_Bps: Optional[dict] = None
     prior_delay_s: dict = field(default_factory=_default_prior_delay)
     # Decide for this rank from the estimates it last exported (what every
     # other rank sees) rather than from fresher local ones.
@@ -298,7 +305,7 @@ class PathController:
             cfg.prior_rate_Bps, cfg.prior_delay_s,
             max_samples=cfg.filter_samples, max_age_s=cfg.filter_max_age_s,
             drop_ratio=cfg.step_down_ratio, drop_samples=cfg.step_down_samples,
-            round_samples=cfg.filter_round_chunks,
+            round_samples=cfg.filter_round_chunks, rate_ceiling_Bps=cfg.rate_ceiling_Bps,
         )
         self._k = 0                                   # decisions made
         self._epoch: Optional[int] = None             # the shared clock, when the engine gives one
@@ -370,7 +377,8 @@ class PathController:
         if epoch is not None:
             self._epoch = epoch
         modes = {s: self._mode(s, k, by_src[s], solo_planes[s], epoch) for s in srcs}
-        allowed = {f.flow_id: self._allowed_planes(f, modes[f.src], view) for f in flows}
+        beside = {f.src for f in flows if f.companion}  # ranks whose 'out' other channels load (overlap)
+        allowed = {f.flow_id: self._allowed_planes(f, modes[f.src], view, f.src in beside) for f in flows}
         split_in = self._split_inputs(flows, allowed, caps, view)
         split = solve_coflow(split_in, models, cfg.coflow_slack)
         rate_cap_time = None
@@ -539,7 +547,10 @@ class PathController:
         st = self._states.get(self.rank)
         return self.config.probe_every if st is None else _probe_grid(st, self.config.probe_every)
 
-    def _allowed_planes(self, f: FlowDemand, mode: _Mode, view: EstimateView) -> tuple[str, ...]:
+    def _allowed_planes(self, f: FlowDemand, mode: _Mode, view: EstimateView,
+                        out_loaded_beside: bool = False) -> tuple[str, ...]:
+        """The planes flow ``f`` may use. ``out_loaded_beside``: the stage has
+        companions at f's sender (other channels' load on its 'out')."""
         cfg = self.config
         planes = tuple(p for p in PLANES if p in f.planes)
         if len(planes) < 2:
@@ -552,6 +563,13 @@ class PathController:
         if not usable:
             usable = planes
         if f.nbytes < cfg.min_multipath_bytes and len(usable) > 1:
+            if out_loaded_beside:
+                # Timed on its own, 'out' may look faster than it is: other channels'
+                # cross-domain steps use it at the same time. On the 2x2 testbed at 1:1
+                # a 16 MiB hierarchical reduce_scatter's 512 KiB in-domain flows all went
+                # to 'out' and took 1.5x 'up' alone. The configured plane, as for a
+                # small stage (flows.Splitter.plan).
+                return (cfg.single_plane,) if cfg.single_plane in usable else usable[:1]
             # Small: the single plane that finishes it first on its own.
             times = {p: _path_model(view, f.src, p, f.dst).time(f.nbytes) for p in usable}
             return (min(usable, key=lambda p: (times[p], PLANES.index(p))),)

@@ -539,9 +539,11 @@ class Estimator:
 
     def __init__(self, prior_rate_Bps: Mapping[str, float], prior_latency_s: Mapping[str, float],
                  max_samples: int = 32, max_age_s: float = 2.0,
-                 drop_ratio: float = 0.75, drop_samples: int = 4, round_samples: int = 4):
+                 drop_ratio: float = 0.75, drop_samples: int = 4, round_samples: int = 4,
+                 rate_ceiling_Bps: Optional[Mapping[str, float]] = None):
         self.prior_rate_Bps = dict(prior_rate_Bps)
         self.prior_latency_s = dict(prior_latency_s)
+        self.rate_ceiling_Bps = dict(rate_ceiling_Bps or {})  # plane -> no estimate above it (ControlConfig)
         self._params = (max_samples, max_age_s, drop_ratio, drop_samples, round_samples)
         self._paths: dict[int, dict[tuple[str, int], PathEstimator]] = {}   # src -> (plane, dst) -> path
         self._port_of: dict[tuple[int, str, int], int] = {}  # (src, plane, dst) -> the rank it is measured at
@@ -604,10 +606,16 @@ class Estimator:
                 continue  # that port's own report stands for it
             est = path.estimate(now)
             if est is not None:
-                out[(plane, dst)] = est
+                out[(plane, dst)] = self._under_ceiling(plane, est)
         for key, (rate, lat, _) in self._reports().get(src, {}).items():
-            out[key] = PathEstimate(rate, lat, lat + chunk_bytes / rate, 1, True)
+            out[key] = self._under_ceiling(key[0], PathEstimate(rate, lat, lat + chunk_bytes / rate, 1, True))
         return out
+
+    def _under_ceiling(self, plane: str, est: PathEstimate) -> PathEstimate:
+        ceiling = self.rate_ceiling_Bps.get(plane)
+        if ceiling is None or est.rate_Bps <= ceiling:
+            return est
+        return PathEstimate(ceiling, est.latency_s, est.base_delay_s, est.samples, est.measured)
 
     def view(self, now: Optional[float] = None, chunk_bytes: int = 0) -> "EstimateView":
         """Estimates frozen at ``now``, computed once per rank (one decision's worth)."""
