@@ -78,15 +78,14 @@ def test_a_severed_peer_in_this_domain_keeps_its_flows_off_up():
     assert ctl.demands[0].planes == (OUT,)  # across domains: 'out' only
 
 
-def pipelined_intra_stage(with_companions):
-    """Rank 0's intra-domain flow in a 4-channel hierarchical all_reduce on two
-    domains of two, both planes priced alike (1:1): the other channels send half
-    as many bytes across domains as each intra-domain stage sends inside."""
+def plan_rank0_intra_stage(collective, count, channels, rate, with_companions):
+    """Rank 0's first intra-domain stage of a hierarchical schedule (``count`` float32 elements,
+    as build_schedule reads it) on two domains of two, planned by an adaptive splitter from
+    ``rate`` priors: (controller, plan, rank 0's flows with their bytes)."""
     topo = Topology((0, 0, 1, 1))
-    schedule = build_schedule("all_reduce", 4, 16 * MiB, algorithm="hierarchical", topology=topo, channels=4)
+    schedule = build_schedule(collective, 4, count, algorithm="hierarchical", topology=topo, channels=channels)
     stage = next(s for s in schedule.stages if s.label.startswith("intra rs"))
     companions = companion_flows(schedule, topo.same_domain)[stage.id] if with_companions else ()
-    rate = {UP: 100e6, OUT: 100e6}
     ctl = Recording(ControlConfig(prior_rate_Bps=rate, prior_delay_s={UP: 1e-4, OUT: 1e-4}), rank=0)
     splitter = Splitter("adaptive", {UP: Reach({1}), OUT: Reach({1, 2, 3})}, {UP: MiB, OUT: MiB}, ctl,
                         same_domain=topo.same_domain)
@@ -94,6 +93,14 @@ def pipelined_intra_stage(with_companions):
     mine = [x for x in sized if x[0].src == 0]
     plan = splitter.plan(mine, now=0.0, chunk_bytes=512 * 1024, others=tuple(x for x in sized if x[0].src != 0),
                          companions=tuple((f, f.count * 4) for f in companions))
+    return ctl, plan, mine
+
+
+def pipelined_intra_stage(with_companions):
+    """Rank 0's intra-domain flow in a 4-channel hierarchical all_reduce on two
+    domains of two, both planes priced alike (1:1): the other channels send half
+    as many bytes across domains as each intra-domain stage sends inside."""
+    ctl, plan, mine = plan_rank0_intra_stage("all_reduce", 16 * MiB, 4, {UP: 100e6, OUT: 100e6}, with_companions)
     nbytes = mine[0][1]
     return ctl.demands, plan, (nbytes - plan.splits[mine[0][0].id].boundary_bytes) / nbytes
 
@@ -116,22 +123,11 @@ def test_small_flows_beside_other_channels_stay_on_the_configured_plane():
     # (a busy-span rate read from buffered arrivals), but the other channels' cross-domain steps
     # load it: beside companions the small flows keep to 'up' (on the testbed they had all gone
     # to 'out', 1.5x 'up' alone); without companions the faster plane alone still takes them.
-    topo = Topology((0, 0, 1, 1))
-    schedule = build_schedule("reduce_scatter", 4, 1 << 20, algorithm="hierarchical", topology=topo, channels=8)
-    stage = next(s for s in schedule.stages if s.label.startswith("intra rs"))
-    companions = companion_flows(schedule, topo.same_domain)[stage.id]
-
     def out_bytes(with_companions):
-        rate = {UP: 62.5e6, OUT: 250e6}
-        ctl = Recording(ControlConfig(prior_rate_Bps=rate, prior_delay_s={UP: 1e-4, OUT: 1e-4}), rank=0)
-        splitter = Splitter("adaptive", {UP: Reach({1}), OUT: Reach({1, 2, 3})}, {UP: MiB, OUT: MiB}, ctl,
-                            same_domain=topo.same_domain)
-        sized = [(f, f.count * 4) for f in stage.flows]
-        mine = [x for x in sized if x[0].src == 0]
+        ctl, plan, mine = plan_rank0_intra_stage("reduce_scatter", MiB, 8, {UP: 62.5e6, OUT: 250e6},
+                                                 with_companions)
         assert len(mine) == 2 and all(n < ctl.config.min_multipath_bytes for _, n in mine)
         assert sum(n for _, n in mine) >= ctl.config.min_multipath_bytes  # the stage goes to the controller
-        plan = splitter.plan(mine, now=0.0, chunk_bytes=512 * 1024, others=tuple(x for x in sized if x[0].src != 0),
-                             companions=tuple((f, f.count * 4) for f in companions) if with_companions else ())
         return sum(n - plan.splits[f.id].boundary_bytes for f, n in mine)
 
     assert out_bytes(with_companions=True) == 0
