@@ -14,7 +14,6 @@ every path policy.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -851,10 +850,9 @@ class CollectiveOp(Operation):
         of the link they share; every sender's path is taught it."""
         controller = self.engine.controller
         for plane, intervals in self._port_intervals.items():
-            busy, reach = 0.0, -math.inf
-            for start, end, _, _ in sorted(intervals):
-                busy += max(0.0, end - max(start, reach))
-                reach = max(reach, end)
+            spans = [(start, end) for start, end, _, _ in intervals]
+            begin, reach = min(start for start, _ in spans), max(end for _, end in spans)
+            busy = (reach - begin) - sum(end - start for start, end in missing_ranges(spans, begin, reach))
             total = sum(nbytes for _, _, nbytes, _ in intervals)
             if busy > 0:
                 for sender in sorted({sender for _, _, _, sender in intervals}):

@@ -259,7 +259,7 @@ class Communicator:
         stated = dict(self.options.plane_rates or ())
         priors = {**ControlConfig().prior_rate_Bps, **stated}
         config = ControlConfig(out_cap_share=self.options.out_cap_share, out_cap_rate_Bps=self.options.out_cap_rate_Bps,
-                               start_on_one_plane=self.options.plane_rates is None, prior_rate_Bps=priors,
+                               start_on_one_plane=not stated, prior_rate_Bps=priors,
                                rate_ceiling_Bps=stated or None)
         self._prior_costs = {p: PathModel(config.prior_rate_Bps[p], config.prior_delay_s[p]) for p in ("up", "out")}
         return PathController(config, rank=self.rank)

@@ -106,6 +106,7 @@ class ControlConfig:
     step_down_ratio: float = 0.75
     step_down_samples: int = 4
     prior_rate_Bps: dict = field(default_factory=_default_prior_rate)
+    prior_delay_s: dict = field(default_factory=_default_prior_delay)
     # The planes' line rates where the user states them (MPCCS_PLANE_RATES): no
     # estimate reads above them. Delivery samples err fast when a peer's data
     # waited in the receive buffers; on the 2x2 testbed at 1:1 (62.5 MB/s links)
@@ -113,7 +114,6 @@ class ControlConfig:
     # of one operation put 50% of their in-domain bytes there instead of 25%
     # (0.55-0.62 s against 0.43-0.45). None: no ceiling.
     rate_ceiling_Bps: Optional[dict] = None
-    prior_delay_s: dict = field(default_factory=_default_prior_delay)
     # Decide for this rank from the estimates it last exported (what every
     # other rank sees) rather than from fresher local ones.
     decide_from_exported_view: bool = True
