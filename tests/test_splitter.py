@@ -78,21 +78,23 @@ def test_a_severed_peer_in_this_domain_keeps_its_flows_off_up():
     assert ctl.demands[0].planes == (OUT,)  # across domains: 'out' only
 
 
-def plan_rank0_intra_stage(collective, count, channels, rate, with_companions):
+def plan_rank0_intra_stage(collective, count, channels, rate, with_companions, ctl=None, quantum=0):
     """Rank 0's first intra-domain stage of a hierarchical schedule (``count`` float32 elements,
     as build_schedule reads it) on two domains of two, planned by an adaptive splitter from
-    ``rate`` priors: (controller, plan, rank 0's flows with their bytes)."""
+    ``rate`` priors (or by ``ctl``, a controller that planned before), every flow in chunks of
+    ``quantum`` bytes (0: no chunks): (controller, plan, rank 0's flows with their bytes)."""
     topo = Topology((0, 0, 1, 1))
     schedule = build_schedule(collective, 4, count, algorithm="hierarchical", topology=topo, channels=channels)
     stage = next(s for s in schedule.stages if s.label.startswith("intra rs"))
     companions = companion_flows(schedule, topo.same_domain)[stage.id] if with_companions else ()
-    ctl = Recording(ControlConfig(prior_rate_Bps=rate, prior_delay_s={UP: 1e-4, OUT: 1e-4}), rank=0)
+    ctl = ctl or Recording(ControlConfig(prior_rate_Bps=rate, prior_delay_s={UP: 1e-4, OUT: 1e-4}), rank=0)
     splitter = Splitter("adaptive", {UP: Reach({1}), OUT: Reach({1, 2, 3})}, {UP: MiB, OUT: MiB}, ctl,
                         same_domain=topo.same_domain)
     sized = [(f, f.count * 4) for f in stage.flows]
     mine = [x for x in sized if x[0].src == 0]
     plan = splitter.plan(mine, now=0.0, chunk_bytes=512 * 1024, others=tuple(x for x in sized if x[0].src != 0),
-                         companions=tuple((f, f.count * 4) for f in companions))
+                         companions=tuple((f, f.count * 4) for f in companions),
+                         quantum_of=(lambda f: quantum) if quantum else None)
     return ctl, plan, mine
 
 
@@ -115,6 +117,22 @@ def test_companions_take_out_capacity_and_leave_the_stage_unjudged():
     _, plan_alone, alone = pipelined_intra_stage(with_companions=False)
     assert abs(alone - 0.5) < 0.07  # as if 'out' were free
     assert plan_alone.reason["ranks"]["0"]["judgeable"]
+
+
+def test_a_split_rounds_to_the_whole_chunk_that_finishes_first_beside_the_other_channels():
+    # A 16 MiB all_reduce on 8 channels (2x2, 1:1): rank 0's in-domain flow is 1 MiB in 256 KiB
+    # chunks, beside another channel's 512 KiB cross-domain flow on 'out', where ~22% on 'out'
+    # finishes both together. After a stage without that load (the flow alone: 50%), the share
+    # steps down by max_step to 30%, between 256 and 512 KiB on 'out'. Timed on the flow's own
+    # links, 512 KiB (both planes 8.4 ms) beat 256 KiB ('up' 12.6 ms) and the split stayed at
+    # 50%; on the sender's ports 512 KiB keeps 'out' busy for 16.8 ms.
+    rates = {UP: 62.5e6, OUT: 62.5e6}
+    chunk = 256 * 1024
+    ctl, plan, mine = plan_rank0_intra_stage("all_reduce", 4 * MiB, 8, rates, False, quantum=chunk)
+    flow_id, nbytes = mine[0][0].id, mine[0][1]
+    assert nbytes == MiB and nbytes - plan.splits[flow_id].boundary_bytes == 512 * 1024
+    _, plan, _ = plan_rank0_intra_stage("all_reduce", 4 * MiB, 8, rates, True, ctl=ctl, quantum=chunk)
+    assert nbytes - plan.splits[flow_id].boundary_bytes == 256 * 1024
 
 
 def test_small_flows_beside_other_channels_stay_on_the_configured_plane():

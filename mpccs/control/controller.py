@@ -398,15 +398,16 @@ class PathController:
 
         out_real, settled = {}, {s: True for s in srcs}
         links_by_flow = {x.flow_id: x.links for x in split_in}
+        loads_beside = _loads_beside(flows, split.out_bytes)
         for f in flows:
             x, ok = self._stabilise(f, split.out_bytes.get(f.flow_id, 0.0), modes[f.src], allowed[f.flow_id],
-                                    links_by_flow[f.flow_id])
+                                    links_by_flow[f.flow_id], loads_beside[f.flow_id])
             out_real[f.flow_id] = x
             settled[f.src] &= ok
         for f in flows:
             out_real[f.flow_id] = self._apply_probe(f, out_real[f.flow_id], modes[f.src], allowed[f.flow_id])
             out_real[f.flow_id] = self._whole_chunks(f, out_real[f.flow_id], modes[f.src], allowed[f.flow_id],
-                                                     links_by_flow[f.flow_id])
+                                                     links_by_flow[f.flow_id], loads_beside[f.flow_id])
 
         up_bytes, out_cap = {}, {}
         for f in flows:
@@ -584,12 +585,13 @@ class PathController:
         ]
 
     def _stabilise(self, f: FlowDemand, target_out: float, mode: _Mode,
-                   allowed: tuple[str, ...], links: Mapping[str, PathModel]) -> tuple[float, bool]:
+                   allowed: tuple[str, ...], links: Mapping[str, PathModel],
+                   beside: Mapping[str, float]) -> tuple[float, bool]:
         """Hysteresis band and bounded step on the flow's share on 'out'.
 
         The previous share is kept while it is within ``hysteresis`` of the
-        target both as a share and in predicted time (the flow's own finish,
-        a + x / B per plane). The time test matters when the planes are far
+        target both as a share and in predicted time (the flow's finish on its
+        sender's ports, a + (beside + x) / B per plane; see _port_time). The time test matters when the planes are far
         apart: with 'out' at a tenth of 'up', a share 3 points too high
         already makes the flow 30 % slower. Outside the band the share moves
         toward the target by at most ``max_step``.
@@ -613,7 +615,7 @@ class PathController:
         prev = self._shares.get(key)
 
         def flow_time(share: float) -> float:
-            return max(links["up"].time(n * (1 - share)), links["out"].time(n * share))
+            return _port_time(links, beside, n, n * share)
 
         def in_band(share: float) -> bool:
             return (abs(target - share) <= cfg.hysteresis
@@ -636,7 +638,7 @@ class PathController:
             store.pop(next(iter(store)))
 
     def _whole_chunks(self, f: FlowDemand, out: float, mode: _Mode, allowed: tuple[str, ...],
-                      links: Mapping[str, PathModel]) -> float:
+                      links: Mapping[str, PathModel], beside: Mapping[str, float]) -> float:
         """The flow's bytes on 'out' moved to a neighbouring whole-chunk boundary:
         the one chosen last time while the model predicts it within
         ``chunk_hysteresis`` of the other, else the one it predicts finishes
@@ -655,6 +657,13 @@ class PathController:
         target is never kept, so the cost is bounded by one chunk and 10%.
         Only a regular multipath split moves; probes and checks keep their
         measured amounts.
+
+        A boundary is timed on the sender's ports, with the bytes its other
+        flows put on each plane (``beside``). Timed on the flow's own links, the
+        boundary that balanced the flow alone won: each 1 MiB in-domain flow of
+        a 16 MiB hierarchical all_reduce (2 domains of 2, 1:1) beside a 512 KiB
+        cross-domain flow on 'out' went 512 KiB on 'out' against a target of
+        228 KiB (stages 1.3x their plan; operations as slow as 'up' alone).
         """
         q, n = f.quantum_bytes, f.nbytes
         if q <= 0 or n < 2 * q or mode.kind != "multipath" or len(allowed) < 2 or not 0 < out < n:
@@ -663,7 +672,7 @@ class PathController:
         candidates = sorted({float(n - min(n, k * q)) for k in (math.floor(up_chunks), math.ceil(up_chunks))})
 
         def flow_time(x: float) -> float:
-            return max(links["up"].time(n - x), links["out"].time(x))
+            return _port_time(links, beside, n, x)
 
         key = _size_class(f)
         best = min(candidates, key=lambda x: (flow_time(x), abs(x - out)))
@@ -1510,6 +1519,28 @@ def _models(ports: Mapping[int, Mapping[str, PathEstimate]],
     def rate(p, e):
         return min(e.rate_Bps, out_rate_max) if p == "out" and out_rate_max is not None else e.rate_Bps
     return {s: {p: PathModel(rate(p, e), e.latency_s) for p, e in pe.items()} for s, pe in ports.items()}
+
+
+def _loads_beside(flows: Sequence[FlowDemand], out_bytes: Mapping[int, float]) -> dict[int, dict[str, float]]:
+    """Per flow: the bytes its sender's other flows of the stage put on each plane
+    (their targets; a companion's count too), by flow id."""
+    totals: dict[int, dict[str, float]] = {}
+    for f in flows:
+        out = out_bytes.get(f.flow_id, 0.0)
+        port = totals.setdefault(f.src, {"up": 0.0, "out": 0.0})
+        port["up"] += f.nbytes - out
+        port["out"] += out
+    beside = {}
+    for f in flows:
+        out, port = out_bytes.get(f.flow_id, 0.0), totals[f.src]
+        beside[f.flow_id] = {"up": max(0.0, port["up"] - (f.nbytes - out)), "out": max(0.0, port["out"] - out)}
+    return beside
+
+
+def _port_time(links: Mapping[str, PathModel], beside: Mapping[str, float], nbytes: float, out: float) -> float:
+    """When a flow of ``nbytes`` with ``out`` of them on 'out' is done on its sender's
+    ports, behind ``beside`` bytes of other flows on each plane."""
+    return max(links["up"].time(beside["up"] + nbytes - out), links["out"].time(beside["out"] + out))
 
 
 def _size_class(f: FlowDemand) -> tuple[int, int, int]:
