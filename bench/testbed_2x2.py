@@ -82,7 +82,8 @@ def report(data: dict, up_rate: str, out_rate: str, iters: int, fixed: list, sta
     lines = [f"# Testbed, 4 ranks as 2 domains of 2 (up within a domain, out between all), {collective}", "",
              f"Rates: up {up_rate}, out {out_rate}; {iters} iterations per point, interleaved; "
              f"measured {time.strftime('%Y-%m-%dT%H:%M:%S')}. Target: adaptive >= {TARGET}x the best single plane.",
-             "", "Rates stated to mpccs (MPCCS_PLANE_RATES): " + (stated or _priors_text()) + ".", "", "| size | algorithm (adaptive) | busbw up | busbw out | busbw adaptive | adaptive / best single "
+             "", "Rates stated to mpccs (MPCCS_PLANE_RATES): " + (stated or _priors_text()) + ".",
+             "", _plan_rates_text(data["rows"]), "", "| size | algorithm (adaptive) | busbw up | busbw out | busbw adaptive | adaptive / best single "
              "[95% CI] | A/A floor | ceiling | busbw bound (multipath) | verdict |",
              "|---|---|---:|---:|---:|---|---:|---:|---:|---|"]
     up_Bps, out_Bps = parse_rate(up_rate) / 8, parse_rate(out_rate) / 8
@@ -118,6 +119,20 @@ def report(data: dict, up_rate: str, out_rate: str, iters: int, fixed: list, sta
                   "", "| size | fraction on up | busbw | fixed / best single [95% CI] | verdict |",
                   "|---|---|---:|---|---|", *oracles]
     return "\n".join(lines) + "\n", verdicts
+
+
+def _plan_rates_text(rows: list) -> str:
+    """What the tuner planned by at the end of each size's points (docs/controller.md, Plan rates)."""
+    seen = {}
+    for r in rows:
+        rates = r.get("plan_rates")
+        if rates:
+            seen[r["size"]] = rates
+    if not seen:
+        return "Plan rates: not recorded."
+    parts = [f"{size >> 20} MiB: {rates['source']} (up {rates['up'] / 1e6:.1f} MB/s, out {rates['out'] / 1e6:.1f} MB/s)"
+             for size, rates in sorted(seen.items())]
+    return "Plan rates at the end of each size's points: " + "; ".join(parts) + "."
 
 
 def _priors_text() -> str:

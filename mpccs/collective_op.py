@@ -107,14 +107,27 @@ def _probing(plan, rank: int) -> bool:
     return reason.get("ranks", {}).get(str(rank), {}).get("mode") == "probe"
 
 
+def _busy_time(intervals: list) -> tuple[int, float, float]:
+    """(bytes, busy seconds, last arrival) of a plane's arrival spans [(start, end, bytes, sender)]:
+    the bytes over the time any of the spans was open (their union), the rate of the link they share."""
+    spans = [(start, end) for start, end, _, _ in intervals]
+    begin, reach = min(start for start, _ in spans), max(end for _, end in spans)
+    busy = (reach - begin) - sum(end - start for start, end in missing_ranges(spans, begin, reach))
+    return sum(nbytes for _, _, nbytes, _ in intervals), busy, reach
+
+
 class CollectiveOp(Operation):
     def __init__(self, engine, seq, schedule: Schedule, buffers: dict, dtype, op: str,
                  splitter: Splitter, chunk_bytes: int, name: str, finalize: Optional[Callable] = None,
                  fingerprint=None, protected: bool = False, snapshot: Optional[np.ndarray] = None,
                  input_unsaved: bool = False, epoch: Optional[int] = None,
                  carries_failable: Optional[bool] = None, whole_flows: bool = False,
-                 resume_in_place: bool = False, two_step: bool = False, settled: bool = False):
+                 resume_in_place: bool = False, two_step: bool = False, settled: bool = False,
+                 plane_meter=None):
         super().__init__(engine, seq)
+        # control.plan_rates.PlaneRateMeter where the call is measured for the plan rates (comm), else None
+        self.plane_meter = plane_meter
+        self._meter_spans: dict = {}  # plane -> [(start, end, bytes, sender)] of every stage (plane_meter)
         # Failover (docs/reliability.md): a protected operation completes only
         # once every rank has all its data (the DONE round), so no rank has
         # handed its buffers back while another may still need a retry; on a
@@ -812,8 +825,19 @@ class CollectiveOp(Operation):
             self._post_sends()
         for run in retired:
             self._teach_controller(run)
-        if self._port_intervals and self.stages_done == len(self.schedule.stages):
-            self._teach_port_rates()
+            if self.plane_meter is not None:
+                # Stage spans, not busy_intervals: a flow of one chunk (each step of a 16 MiB
+                # hierarchical all_reduce on 8 channels, on one plane) has no spacing to time it by.
+                for plane, sender, nbytes, t_first, t_last in run.delivery_samples():
+                    self._meter_spans.setdefault(plane, []).append((t_first, t_last, nbytes, sender))
+        if self.stages_done == len(self.schedule.stages):
+            if self._port_intervals:
+                self._teach_port_rates()
+            if self._meter_spans:
+                for plane, intervals in self._meter_spans.items():
+                    total, busy, _ = _busy_time(intervals)
+                    self.plane_meter.add(plane, total, busy)
+                self._meter_spans = {}
         return True
 
     def _teach_controller(self, run: StageRun) -> None:
@@ -850,10 +874,7 @@ class CollectiveOp(Operation):
         of the link they share; every sender's path is taught it."""
         controller = self.engine.controller
         for plane, intervals in self._port_intervals.items():
-            spans = [(start, end) for start, end, _, _ in intervals]
-            begin, reach = min(start for start, _ in spans), max(end for _, end in spans)
-            busy = (reach - begin) - sum(end - start for start, end in missing_ranges(spans, begin, reach))
-            total = sum(nbytes for _, _, nbytes, _ in intervals)
+            total, busy, reach = _busy_time(intervals)
             if busy > 0:
                 for sender in sorted({sender for _, _, _, sender in intervals}):
                     controller.on_delivery(plane, sender, total, reach - busy, reach, size_evidence=False,

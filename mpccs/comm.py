@@ -149,6 +149,7 @@ class Communicator:
                               plane_timeout_s=options.plane_timeout_s, reprobe_s=options.reprobe_s,
                               out_pacer=pacer)
         self._engine.liveness = self._lost_local_peers
+        self._make_plan_rate_measurement()
         self._engine.share_cores(self.local_size > usable_cores())
         if self.size == 2 and boot.store is not None:
             self._engine.shm = shm.open_pair(boot.store, self.rank, options.rendezvous_timeout_s,
@@ -172,7 +173,8 @@ class Communicator:
             return [host], [domain]
         boot.store.set(f"info/{boot.rank}", json.dumps({"host": host, "domain": domain, "pid": os.getpid(),
                                                         "gpu_direct": self.gpu_direct,
-                                                        "plane_rates": opts.plane_rates}).encode())
+                                                        "plane_rates": opts.plane_rates,
+                                                        "measure_plan_rates": opts.measure_plan_rates}).encode())
         infos = [json.loads(v) for v in boot.store.gather("info", boot.size, opts.rendezvous_timeout_s)]
         _check_same_plane_rates(infos, boot.rank)
         self._pids = [i["pid"] for i in infos]
@@ -263,6 +265,71 @@ class Communicator:
                                rate_ceiling_Bps=stated or None)
         self._prior_costs = {p: PathModel(config.prior_rate_Bps[p], config.prior_delay_s[p]) for p in ("up", "out")}
         return PathController(config, rank=self.rank)
+
+    def _make_plan_rate_measurement(self) -> None:
+        """Without stated rates, ranks in several domains measure their planes and agree on the
+        rates the tuner plans by (control/plan_rates.py; docs/controller.md, Plan rates).
+
+        Several domains only: there 'out' carries the cross-domain steps, so the tuner weighs
+        the in-domain steps' split against them by the rates, and a single-plane plan keeps the
+        in-domain steps off 'out' whatever the controller measures. In one domain the
+        controller splits every stage by its own estimates, and the DAG's rates are no
+        measure of 'up' where most calls take the shared-memory paths: 2 ranks on the
+        default planes read 'up' at 850 MB/s through the DAG against its 5 GB/s prior."""
+        from .control.plan_rates import AgreementClock, PlaneRateMeter
+
+        self._plan_rates_source = "stated" if self.options.plane_rates else "priors"
+        self._plan_events: list[dict] = []
+        self._plane_meter = self._agreement_clock = None
+        if (self.options.measure_plan_rates and not self.options.plane_rates and not self._one_domain
+                and self.options.multipath and {UP, OUT} <= set(self._planes)):
+            self._plane_meter, self._agreement_clock = PlaneRateMeter(), AgreementClock()
+
+    @property
+    def plan_rates(self) -> dict:
+        """The rates (bytes/s) the tuner plans by, and where they came from: 'stated'
+        (MPCCS_PLANE_RATES), 'priors', or 'measured' (agreed by every rank)."""
+        return {"source": self._plan_rates_source,
+                **{plane: model.rate_Bps for plane, model in self._prior_costs.items()}}
+
+    def _agree_plan_rates(self) -> None:
+        """Every rank at the same call: the lowest rate any rank measured per plane (0 where one
+        has none), and the plan rebuilt from them where they differ enough from its rates."""
+        from .control import PathController
+        from .control.plan_rates import rate_ceilings, replan_rates
+
+        measured = self._plane_meter.rates()
+        agreed_buf = np.array([measured[UP], measured[OUT]], dtype=np.float64)
+        self._run_control_op("plan_rates", agreed_buf, "min")
+        agreed = {UP: float(agreed_buf[0]), OUT: float(agreed_buf[1])}
+        self._agreement_clock.agreed(agreed)
+        planned = {p: model.rate_Bps for p, model in self._prior_costs.items()}
+        rates = replan_rates(agreed, planned)
+        event = {"kind": "plan_rates", "measured_Bps": measured, "agreed_Bps": agreed, "planned_Bps": planned,
+                 "replanned": rates is not None}
+        self._plan_events.append(event)
+        if rates is None:
+            return
+        self._prior_costs = {p: PathModel(rates[p], model.latency_s) for p, model in self._prior_costs.items()}
+        self._plan_rates_source = "measured"
+        self._forget_plans()
+        # The controller starts again as under stated rates: from the agreed rates, with 'out' in
+        # use. Left as it was, it held 'out' dropped (start_on_one_plane) until a probe showed a
+        # gain, and probes judge whole stages, which overlap in a pipelined schedule.
+        old = self._engine.controller.config
+        config = dataclasses.replace(old, start_on_one_plane=False, prior_rate_Bps={**old.prior_rate_Bps, **rates},
+                                     rate_ceiling_Bps=rate_ceilings(rates))
+        self._engine.controller = PathController(config, rank=self.rank)
+
+    def _forget_plans(self) -> None:
+        """Drop every answer made from the plan rates: the plans and what depends on them."""
+        self._plans.clear()
+        Communicator._choose.cache_clear()
+        for direct, protected in self._answers_by_policy.values():
+            direct.clear()
+            protected.clear()
+        self._direct_answers.clear()
+        self._protected_answers.clear()
 
     # -- public attributes -------------------------------------------------
     @property
@@ -377,7 +444,7 @@ class Communicator:
         """Whether a successful operation now needs no record but its counts:
         no trace to write, no plane or controller events to attach to it."""
         controller = self._engine.controller
-        return (not self._engine.health.events and not self._telemetry.tracing
+        return (not self._engine.health.events and not self._telemetry.tracing and not self._plan_events
                 and (controller is None or not controller.has_events()))
 
     def _record(self, op: Operation) -> None:
@@ -394,6 +461,8 @@ class Communicator:
         if controller is not None:
             # Why the split changed: drops and re-adds with their evidence.
             events += [{"kind": "controller", **e} for e in controller.take_events()]
+        events += self._plan_events  # the plan rates' agreements (_agree_plan_rates)
+        self._plan_events = []
         if events:
             stats["events"] = stats.get("events", []) + events
         if op.error is None:
@@ -603,6 +672,7 @@ class Communicator:
         if health.down:
             health.try_rejoin(time.perf_counter())
         nbytes = schedule.count * np.dtype(dtype).itemsize
+        meter = self._measure_plan_rates(name, nbytes)
         protected = self._protected(nbytes, plan.single_plane)
         epoch = None
         if self._policy == "adaptive" and self._multipath_eligible(nbytes, plan.single_plane):
@@ -642,8 +712,19 @@ class Communicator:
         cop = CollectiveOp(self._engine, self._next_seq(), schedule, buffers, dtype, op, splitter,
                            chunk_bytes, name, finalize, fp, protected=protected, snapshot=snapshot,
                            input_unsaved=unsaved, epoch=epoch, carries_failable=carries, whole_flows=whole_flows,
-                           resume_in_place=resume, two_step=two_step, settled=settled)
+                           resume_in_place=resume, two_step=two_step, settled=settled, plane_meter=meter)
         return self._submit(cop, result, async_op)
+
+    def _measure_plan_rates(self, name: str, nbytes: int):
+        """The plane meter where this call is measured, else None; first, where the clock
+        says so, the ranks agree on the plan rates (every rank at the same call: the
+        calls run here are the same on every rank, and so are their sizes)."""
+        clock = self._agreement_clock
+        if clock is None or not clock.measured(name, nbytes):
+            return None
+        if clock.tick():
+            self._agree_plan_rates()
+        return self._plane_meter
 
     def _chunking_for(self, plan: "CallPlan", sends_on_one_plane: bool) -> tuple[int, bool]:
         """How this rank cuts its flows: (chunk bytes, whole flows). The tuner's chunk,
@@ -1131,11 +1212,15 @@ class Communicator:
         if self._direct("all_reduce", 1, 1, None, 1):
             self._run_direct("barrier", token, token, "max", None, False)
             return
-        sched = self._schedule("all_reduce", 1, 1, algorithm="rd")
+        self._run_control_op("barrier", token, "max")
+
+    def _run_control_op(self, name: str, buf: np.ndarray, op: str) -> None:
+        """A small all_reduce in place for the library's own use (barrier, plan rates)."""
+        sched = self._schedule("all_reduce", buf.size, buf.nbytes, algorithm="rd")
         policy = self._policy
         self._policy = "up" if UP in self._planes else "out"  # control traffic: lowest latency, no split
         try:
-            self._run("barrier", sched, {"in": token, "out": token}, token.dtype, "max", None, False)
+            self._run(name, sched, {"in": buf, "out": buf}, buf.dtype, op, None, False)
         finally:
             self._policy = policy
 
@@ -1233,12 +1318,14 @@ def _counts(counts, size: int, name: str) -> list[int]:
 
 def _check_same_plane_rates(infos: list, rank: int) -> None:
     """Every rank plans by the same rates (the tuner's plan must be the same
-    everywhere): refuse to start where MPCCS_PLANE_RATES differs."""
-    stated = [json.dumps(i.get("plane_rates")) for i in infos]
-    if len(set(stated)) > 1:
-        odd = [r for r, v in enumerate(stated) if v != stated[rank]]
-        raise ConfigError(f"rank {rank}: MPCCS_PLANE_RATES {stated[rank]} differs on rank(s) {odd} "
-                          f"({stated[odd[0]]}); set it the same on every rank")
+    everywhere): refuse to start where MPCCS_PLANE_RATES or
+    MPCCS_MEASURE_PLAN_RATES differs (the ranks agree on measured rates at the same calls)."""
+    for key, var in (("plane_rates", "MPCCS_PLANE_RATES"), ("measure_plan_rates", "MPCCS_MEASURE_PLAN_RATES")):
+        stated = [json.dumps(i.get(key)) for i in infos]
+        if len(set(stated)) > 1:
+            odd = [r for r, v in enumerate(stated) if v != stated[rank]]
+            raise ConfigError(f"rank {rank}: {var} {stated[rank]} differs on rank(s) {odd} "
+                              f"({stated[odd[0]]}); set it the same on every rank")
 
 
 def _domain_ids(domains: list[str]) -> list[int]:

@@ -205,6 +205,7 @@ class Options:
     out_cap_share: float = 1.0
     out_cap_rate_Bps: Optional[float] = None  # QoS: borrowed scale-out bytes/s, paced (None: no cap)
     plane_rates: Optional[tuple] = None  # ((plane, bytes/s), ...): the planes' rates as known; None: the priors
+    measure_plan_rates: bool = True  # without plane_rates: the ranks measure and agree on them (control/plan_rates.py)
     fingerprint: bool = True
     failover: bool = True  # retry a collective on the plane left when one fails
     two_step: bool = True  # 2-rank all_reduce on 'up' alone: two messages each way, not the DAG (two_step.py)
@@ -234,6 +235,7 @@ _ENV = {
     "out_cap_share": ("MPCCS_OUT_CAP", float),
     "out_cap_rate_Bps": ("MPCCS_OUT_CAP_RATE", parse_rate),
     "plane_rates": ("MPCCS_PLANE_RATES", parse_plane_rates),
+    "measure_plan_rates": ("MPCCS_MEASURE_PLAN_RATES", parse_bool),
     "fingerprint": ("MPCCS_FINGERPRINT", parse_bool),
     "failover": ("MPCCS_FAILOVER", parse_bool),
     "two_step": ("MPCCS_TWO_STEP", parse_bool),

@@ -20,7 +20,8 @@ import numpy as np
 
 from .reduce import SUPPORTED_DTYPES
 
-_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "all_to_allv", "broadcast", "reduce", "barrier")
+_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "all_to_allv", "broadcast", "reduce", "barrier",
+                "plan_rates")  # 4 bits; plan_rates: the ranks agreeing on plan rates (comm._agree_plan_rates)
 _OPS = ("sum", "prod", "min", "max", "avg")
 _ALGORITHMS = ("ring", "rhd", "rd", "tree", "hierarchical", "pairwise", "pipeline", "direct", "direct_blocks", "direct_shm",
                "direct_lane", "group_reads", "direct_pipe")  # 4 bits: at most 16

@@ -489,6 +489,7 @@ def make_row(comm, case, ns, policy, times, shares, stats, wrong) -> dict:
         "algorithm": stats.get("algorithm"), "channels": stats.get("channels"), "times_us": [x * 1e6 for x in times],
         "split": [s.get("split") for s in stats.get("stages", [])][:4],
         "nranks": comm.size,
+        "plan_rates": comm.plan_rates,  # what the tuner planned by at the point's end (stated, priors, measured)
     }
 
 

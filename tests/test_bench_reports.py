@@ -355,8 +355,12 @@ def test_testbed_2x2_reads_the_best_fixed_split_against_the_best_single_plane():
     assert verdict["oracle"]["ratio"][0] == pytest.approx(1.25) and verdict["oracle"]["holds"]  # floor 0
     assert verdict["ceiling"] == pytest.approx(1.33, abs=0.01)  # 1:1 rates (mpccs.sim.bounds)
     assert "| 16 MiB | 0.75 |" in text and "(MPCCS_PLANE_RATES): up=500mbit,out=500mbit." in text
-    plain, (alone,) = two_by_two.report({"rows": data["rows"][:3] + data["rows"][5:]}, "1gbit", "500mbit", 12, [], None)
+    assert "Plan rates: not recorded." in text
+    measured = {"source": "measured", "up": 61.7e6, "out": 57.5e6}
+    plain, (alone,) = two_by_two.report({"rows": data["rows"][:3] + [dict(data["rows"][5], plan_rates=measured)]},
+                                        "1gbit", "500mbit", 12, [], None)
     assert "oracle" not in alone and "best fixed split" not in plain and "none (the priors" in plain
+    assert "16 MiB: measured (up 61.7 MB/s, out 57.5 MB/s)" in plain
     assert alone["ceiling"] == pytest.approx(1.0)  # 2:1: no split can beat an overlapped 'up'
     # another hierarchical collective: the same ratios, without the all_reduce bound's columns
     other = {"rows": [dict(r, collective="reduce_scatter") for r in data["rows"]]}

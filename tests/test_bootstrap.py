@@ -355,12 +355,17 @@ def test_stated_plane_rates_replace_the_priors_the_tuner_plans_by():
     assert plan()[0].estimator.rate_ceiling_Bps == {}
 
 
-def test_ranks_that_state_different_plane_rates_refuse_to_start(tmp_path):
+@pytest.mark.parametrize("var, values, shown", [
+    ("MPCCS_PLANE_RATES", ("up=1gbit,out=500mbit", "up=1gbit,out=1gbit"), '[["up", 125000000.0], ["out", 62500000.0]]'),
+    # the ranks agree on measured rates at the same calls: all of them or none
+    ("MPCCS_MEASURE_PLAN_RATES", ("0", "1"), "false"),
+])
+def test_ranks_that_plan_by_different_rates_refuse_to_start(tmp_path, var, values, shown):
     path = tmp_path / "rates.py"
     path.write_text(textwrap.dedent(
-        """
+        f"""
         import os
-        os.environ["MPCCS_PLANE_RATES"] = "up=1gbit,out=500mbit" if os.environ["RANK"] == "0" else "up=1gbit,out=1gbit"
+        os.environ["{var}"] = "{values[0]}" if os.environ["RANK"] == "0" else "{values[1]}"
         import mpccs
         from mpccs.errors import ConfigError
         try:
@@ -371,6 +376,5 @@ def test_ranks_that_state_different_plane_rates_refuse_to_start(tmp_path):
     out = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "2", str(path)], env=clean_env(),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "[rank 0] REFUSED rank 0: MPCCS_PLANE_RATES [[\"up\", 125000000.0], [\"out\", 62500000.0]] differs on " \
-           "rank(s) [1]" in out.stdout, out.stdout
-    assert "[rank 1] REFUSED rank 1: MPCCS_PLANE_RATES" in out.stdout and "differs on rank(s) [0]" in out.stdout
+    assert f"[rank 0] REFUSED rank 0: {var} {shown} differs on rank(s) [1]" in out.stdout, out.stdout
+    assert f"[rank 1] REFUSED rank 1: {var}" in out.stdout and "differs on rank(s) [0]" in out.stdout

@@ -791,6 +791,56 @@ def pipelined_all_reduces(comm, calls):
     return seen
 
 
+def plan_rate_agreements(comm, calls):
+    """``calls`` adaptive 4 MiB all_reduces (float32), the first three in flight together:
+    (every result exact, the plan-rate events, the rates planned by at the end)."""
+    n = (4 << 20) // 4
+    x = (np.arange(n, dtype=np.float32) % 5) * (comm.rank + 1)
+    want = (np.arange(n, dtype=np.float32) % 5) * sum(r + 1 for r in range(comm.size))
+    outs = [np.empty_like(x) for _ in range(calls)]
+    works = [comm.all_reduce(x, outs[i], async_op=True) for i in range(3)]
+    records = []
+    for i in range(3, calls):  # the fourth call agrees while the first three may still run
+        comm.all_reduce(x, outs[i])
+        records.append(comm.last_stats())
+    for work in works:
+        work.wait()
+    records += [work.stats() for work in works]
+    events = [e for r in records for e in r.get("events", ()) if e.get("kind") == "plan_rates"]
+    return all(np.array_equal(y, want) for y in outs), events, comm.plan_rates
+
+
+def test_ranks_in_two_domains_agree_on_measured_plan_rates_at_the_same_call():
+    # 2 domains of 2 on loopback, no rates stated: at the fourth call of 4 MiB or more every
+    # rank contributes its measured rates and all take the lowest; the plan is rebuilt from
+    # them only where they are 1.5x or more off the priors, the same way on every rank (a
+    # plan that differed would fail the calls' fingerprints). Which way it goes depends on
+    # the machine; that every rank goes the same way, with exact results, does not.
+    from mpccs.control.plan_rates import replan_rates
+
+    pool = RankPool(4, env={"MPCCS_DOMAIN": lambda r: f"d{r // 2}"})
+    try:
+        results = pool.run(plan_rate_agreements, 8, timeout=240)
+    finally:
+        pool.close()
+    assert all(exact for exact, _, _ in results)
+    first = [events[0] for _, events, _ in results]
+    assert all(len(events) in (1, 2) for _, events, _ in results), results  # at call 4 (and 8 if incomplete)
+    assert len({str(e["agreed_Bps"]) for e in first}) == 1, first
+    agreed = first[0]["agreed_Bps"]
+    for e in first:
+        assert all(agreed[p] == min(f["measured_Bps"][p] for f in first) for p in ("up", "out")), first
+        assert e["planned_Bps"] == {"up": 5e9, "out": 0.7e9}  # the priors
+    replanned = replan_rates(agreed, first[0]["planned_Bps"]) is not None
+    assert all(e["replanned"] == replanned for e in first)
+    rates = [r for _, _, r in results]
+    assert all(r == rates[0] for r in rates), rates
+    if replanned or any(len(ev) == 2 and ev[1]["replanned"] for _, ev, _ in results):
+        assert rates[0]["source"] == "measured" and rates[0]["up"] > 0 and rates[0]["out"] > 0
+    else:
+        assert rates[0] == {"source": "priors", "up": 5e9, "out": 0.7e9}
+
+
 def test_stated_rates_split_a_pipelined_hierarchical_all_reduce_from_the_first_call():
     # 2 domains of 2 with 1:1 stated rates: the tuner plans the 8-channel hierarchical
     # all_reduce multipath (with the default priors, 7:1, it keeps it on one plane) and 'out'

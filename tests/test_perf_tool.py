@@ -33,6 +33,8 @@ def test_table_json_and_no_wrong_elements(tmp_path, collective):
     assert "# Avg bus bandwidth (up)" in p.stdout
     data = json.loads(out.read_text())
     assert {"mpccs", "ucx", "ucxx", "numpy", "kernel", "planes", "nranks", "host_speed"} <= set(data["meta"])
+    # one domain: the tuner plans by the priors (nothing measured: docs/controller.md, Plan rates)
+    assert all(r["plan_rates"] == {"source": "priors", "up": 5e9, "out": 0.7e9} for r in data["rows"])
     speed = data["meta"]["host_speed"]
     assert speed["python_loop_ns"] > 0 and speed["copy_GBps"] > 0
     assert f"# host: python loop {speed['python_loop_ns']:.1f} ns/iteration" in p.stdout
