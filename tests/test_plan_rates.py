@@ -4,8 +4,7 @@ import pytest
 
 from mpccs.algorithms.schedule import Topology
 from mpccs.control import ControlConfig
-from mpccs.control.plan_rates import (AgreementClock, PlaneRateMeter, PlanRateConfig, rate_ceilings,
-                                      replan_rates)
+from mpccs.control.plan_rates import AgreementClock, PlaneRateMeter, PlanRateConfig, replan_rates
 from mpccs.control.split import PathModel
 from mpccs.control.tuner import choose
 
@@ -45,10 +44,6 @@ def test_the_plan_is_rebuilt_only_from_complete_agreements_far_enough_off():
     assert replan_rates({"up": 4e9, "out": 600e6}, PRIORS) is None  # within 1.5x of each
     assert replan_rates({"up": 3.2e9, "out": 700e6}, PRIORS) == {"up": 3.2e9, "out": 700e6}
     assert replan_rates({"up": 62e6, "out": 60e6}, measured_1_to_1) is None  # hysteresis: same regime
-
-
-def test_ceilings_leave_room_above_the_agreed_rates():
-    assert rate_ceilings({"up": 100.0, "out": 50.0}, 1.1) == {"up": pytest.approx(110.0), "out": pytest.approx(55.0)}
 
 
 @pytest.mark.parametrize("nbytes", [16 * MiB, 64 * MiB])

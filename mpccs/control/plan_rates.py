@@ -11,7 +11,8 @@ Without stated rates, each rank measures what its planes deliver
 (``PlaneRateMeter``: a large operation's bytes that reached this rank on a
 plane over the time any of them was arriving), and at call counts every rank
 shares (``AgreementClock``) the ranks agree on one rate per plane, the lowest
-any rank measured (a step lasts as long as its slowest link). The plan is
+any rank measured (a step lasts as long as its slowest link), and on the highest,
+which caps the controller's estimates as a stated line rate would. The plan is
 rebuilt from the agreed rates when they differ enough from the ones it was made
 by (``replan_rates``), and only when every rank measured every plane.
 
@@ -42,10 +43,6 @@ class PlanRateConfig:
     # (either way): below it the plan would not change much, and a plan rebuilt on noise changes
     # the schedule under a benchmark's baseline.
     replan_factor: float = 1.5
-    # The controller's estimates may read no more than this factor above the agreed rates: the
-    # ceiling stated rates set (ControlConfig.rate_ceiling_Bps), with room for the agreed rate
-    # being the lowest rank's median, below the line rate.
-    ceiling_factor: float = 1.1
 
 
 class PlaneRateMeter:
@@ -107,7 +104,3 @@ def replan_rates(agreed: Mapping[str, float], planned: Mapping[str, float],
         return None
     return {p: float(agreed[p]) for p in planned}
 
-
-def rate_ceilings(rates: Mapping[str, float], factor: float = PlanRateConfig.ceiling_factor) -> dict[str, float]:
-    """The controller's ceilings from agreed rates (see PlanRateConfig.ceiling_factor)."""
-    return {p: r * factor for p, r in rates.items()}
