@@ -378,7 +378,9 @@ class PathController:
             self._epoch = epoch
         modes = {s: self._mode(s, k, by_src[s], solo_planes[s], epoch) for s in srcs}
         beside = {f.src for f in flows if f.companion}  # ranks whose 'out' other channels load (overlap)
-        allowed = {f.flow_id: self._allowed_planes(f, modes[f.src], view, f.src in beside) for f in flows}
+        sent = _bytes_by_sender(flows)
+        allowed = {f.flow_id: self._allowed_planes(f, modes[f.src], view, f.src in beside, sent[f.src])
+                   for f in flows}
         split_in = self._split_inputs(flows, allowed, caps, view)
         split = solve_coflow(split_in, models, cfg.coflow_slack)
         rate_cap_time = None
@@ -549,9 +551,16 @@ class PathController:
         return self.config.probe_every if st is None else _probe_grid(st, self.config.probe_every)
 
     def _allowed_planes(self, f: FlowDemand, mode: _Mode, view: EstimateView,
-                        out_loaded_beside: bool = False) -> tuple[str, ...]:
+                        out_loaded_beside: bool = False, sender_bytes: Optional[int] = None) -> tuple[str, ...]:
         """The planes flow ``f`` may use. ``out_loaded_beside``: the stage has
-        companions at f's sender (other channels' load on its 'out')."""
+        companions at f's sender (other channels' load on its 'out').
+        ``sender_bytes``: what f's sender sends in the stage (its flows, not
+        companions; default f's own bytes), which min_multipath_bytes is held
+        against: the flows share the sender's ports, so their sum is what a
+        second plane would split. Held against each flow, the two 512 KiB flows
+        each rank sends in an in-domain stage of a 16 MiB hierarchical
+        reduce_scatter (2x2, 8 channels) stayed on 'up': 0.99x 'up', where a
+        fixed 0.8 split reads 1.30x."""
         cfg = self.config
         planes = tuple(p for p in PLANES if p in f.planes)
         if len(planes) < 2:
@@ -563,7 +572,7 @@ class PathController:
         usable = tuple(p for p in planes if p not in mode.dropped or (mode.kind == "probe" and p == mode.plane))
         if not usable:
             usable = planes
-        if f.nbytes < cfg.min_multipath_bytes and len(usable) > 1:
+        if (f.nbytes if sender_bytes is None else sender_bytes) < cfg.min_multipath_bytes and len(usable) > 1:
             if out_loaded_beside:
                 # Timed on its own, 'out' may look faster than it is: other channels'
                 # cross-domain steps use it at the same time. On the 2x2 testbed at 1:1
@@ -1519,6 +1528,15 @@ def _models(ports: Mapping[int, Mapping[str, PathEstimate]],
     def rate(p, e):
         return min(e.rate_Bps, out_rate_max) if p == "out" and out_rate_max is not None else e.rate_Bps
     return {s: {p: PathModel(rate(p, e), e.latency_s) for p, e in pe.items()} for s, pe in ports.items()}
+
+
+def _bytes_by_sender(flows: Sequence[FlowDemand]) -> dict[int, int]:
+    """Bytes each rank sends in the stage: its flows, companions left out (they stand for other
+    channels' load and move nothing here)."""
+    sent: dict[int, int] = {}
+    for f in flows:
+        sent[f.src] = sent.get(f.src, 0) + (0 if f.companion else f.nbytes)
+    return sent
 
 
 def _loads_beside(flows: Sequence[FlowDemand], out_bytes: Mapping[int, float]) -> dict[int, dict[str, float]]:
