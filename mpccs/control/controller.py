@@ -600,7 +600,8 @@ class PathController:
 
         The previous share is kept while it is within ``hysteresis`` of the
         target both as a share and in predicted time (the flow's finish on its
-        sender's ports, a + (beside + x) / B per plane; see _port_time). The time test matters when the planes are far
+        sender's ports, a + (beside + x) / B per plane; see _port_time). The
+        time test matters when the planes are far
         apart: with 'out' at a tenth of 'up', a share 3 points too high
         already makes the flow 30 % slower. Outside the band the share moves
         toward the target by at most ``max_step``.
