@@ -980,6 +980,11 @@ def test_tuner_pipelines_hierarchical_schedules_over_channels():
     # MPCCS_TUNE's channels win, and reason says so
     forced = choose("all_reduce", 12, 256 * MiB, Topology.blocks(12, 4), EST, override="all_reduce:*:channels=1")
     assert forced.channels == 1 and forced.reason["channels"] == "override"
+    # chunked for a channel's in-domain step (8 chunks; 16 from 8 MiB), not the whole vector's:
+    # a 64 MiB 2x2 all_reduce's 2 MiB flows in 256 KiB chunks, so a split moves in eighths
+    rates = {"up": PathModel(62.5e6, 1e-5), "out": PathModel(62.5e6, 3e-5)}
+    chunks = [choose("all_reduce", 4, n, two_by_two, rates).chunk_bytes for n in (16 * MiB, 64 * MiB, 256 * MiB)]
+    assert chunks == [128 * KiB, 256 * KiB, 512 * KiB]
 
 
 @pytest.mark.parametrize("up_over_out", [1.0, 2.0, 3.0])
