@@ -551,11 +551,11 @@ class PathController:
         return self.config.probe_every if st is None else _probe_grid(st, self.config.probe_every)
 
     def _allowed_planes(self, f: FlowDemand, mode: _Mode, view: EstimateView,
-                        out_loaded_beside: bool = False, sender_bytes: Optional[int] = None) -> tuple[str, ...]:
+                        out_loaded_beside: bool, sender_bytes: int) -> tuple[str, ...]:
         """The planes flow ``f`` may use. ``out_loaded_beside``: the stage has
         companions at f's sender (other channels' load on its 'out').
         ``sender_bytes``: what f's sender sends in the stage (its flows, not
-        companions; default f's own bytes), which min_multipath_bytes is held
+        companions), which min_multipath_bytes is held
         against: the flows share the sender's ports, so their sum is what a
         second plane would split. Held against each flow, the two 512 KiB flows
         each rank sends in an in-domain stage of a 16 MiB hierarchical
@@ -572,7 +572,7 @@ class PathController:
         usable = tuple(p for p in planes if p not in mode.dropped or (mode.kind == "probe" and p == mode.plane))
         if not usable:
             usable = planes
-        if (f.nbytes if sender_bytes is None else sender_bytes) < cfg.min_multipath_bytes and len(usable) > 1:
+        if sender_bytes < cfg.min_multipath_bytes and len(usable) > 1:
             if out_loaded_beside:
                 # Timed on its own, 'out' may look faster than it is: other channels'
                 # cross-domain steps use it at the same time. On the 2x2 testbed at 1:1

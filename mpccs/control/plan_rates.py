@@ -103,4 +103,3 @@ def replan_rates(agreed: Mapping[str, float], planned: Mapping[str, float],
     if all(1 / factor < agreed[p] / planned[p] < factor for p in planned):
         return None
     return {p: float(agreed[p]) for p in planned}
-

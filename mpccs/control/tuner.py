@@ -508,7 +508,7 @@ def choose(collective: str, world: int, nbytes: int, topology, estimates: Mappin
     # none of it where their 'out' estimate sagged (1.00x 'up' in 12 of 30 iterations).
     step = _largest_step(collective, algorithm, world, nbytes)
     if channels > 1:  # hierarchical across equal domains: the in-domain step of one channel
-        step = nbytes / (world // len(set(topology.domain_of))) / channels
+        step = nbytes / _hier_parts(topology.domain_of)[0] / channels
     chunk = chunk_for(step)
     if rule is not None:
         channels = rule.channels or channels
