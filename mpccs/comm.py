@@ -293,18 +293,19 @@ class Communicator:
                 **{plane: model.rate_Bps for plane, model in self._prior_costs.items()}}
 
     def _agree_plan_rates(self) -> None:
-        """Every rank at the same call: the lowest rate any rank measured per plane (0 where one
-        has none), and the plan rebuilt from them where they differ enough from its rates; the
-        highest, the line rates the controller's estimates are capped at."""
+        """Every rank at the same call: every rank's measured rates, the agreed ones made of them
+        (control.plan_rates.agree: the lower median per plane, 0 where some rank has none), and
+        the plan rebuilt from them where they differ enough from its rates; the highest, the
+        line rates the controller's estimates are capped at."""
         from .control import PathController
-        from .control.plan_rates import replan_rates
+        from .control.plan_rates import agree, replan_rates
 
         measured = self._plane_meter.rates()
-        # one min all_reduce for both: the highest rate is minus the lowest of the negated rates
-        buf = np.array([measured[UP], measured[OUT], -measured[UP], -measured[OUT]], dtype=np.float64)
-        self._run_control_op("plan_rates", buf, "min")
-        agreed = {UP: float(buf[0]), OUT: float(buf[1])}
-        highest = {UP: -float(buf[2]), OUT: -float(buf[3])}
+        # an all_gather as a sum all_reduce: each rank fills its own row of zeros (exact: x + 0 == x)
+        rows = np.zeros((self.size, 2), dtype=np.float64)
+        rows[self.rank] = (measured[UP], measured[OUT])
+        self._run_control_op("plan_rates", rows.reshape(-1), "sum")
+        agreed, highest = agree([{UP: float(up), OUT: float(out)} for up, out in rows])
         self._agreement_clock.agreed(agreed)
         planned = {p: model.rate_Bps for p, model in self._prior_costs.items()}
         rates = replan_rates(agreed, planned)

@@ -4,7 +4,7 @@ import pytest
 
 from mpccs.algorithms.schedule import Topology
 from mpccs.control import ControlConfig
-from mpccs.control.plan_rates import AgreementClock, PlaneRateMeter, PlanRateConfig, replan_rates
+from mpccs.control.plan_rates import AgreementClock, PlaneRateMeter, PlanRateConfig, agree, replan_rates
 from mpccs.control.split import PathModel
 from mpccs.control.tuner import choose
 
@@ -35,6 +35,24 @@ def test_the_clock_counts_large_calls_only_and_agrees_at_the_same_call_on_every_
             # some rank had no 'out' sample at the first two: they ask again first_agreement later
             clock.agreed({"up": 60e6, "out": 0.0 if len(due) < 3 else 58e6})
     assert due == [4, 8, 12, 44, 76]
+
+
+def test_the_ranks_agree_on_the_lower_median_so_one_low_reading_does_not_set_the_plan():
+    # testbed_2x2_s44: one rank of four read 'out' at 47.8 MB/s, the others ~60 on 62.5 MB/s links
+    four = [{"up": 60e6, "out": 47.8e6}, {"up": 61e6, "out": 60e6}, {"up": 59e6, "out": 61e6},
+            {"up": 62e6, "out": 59e6}]
+    agreed, highest = agree(four)
+    assert agreed == {"up": 60e6, "out": 59e6}  # the lower of the middle two: a rate some rank measured
+    assert highest == {"up": 62e6, "out": 61e6}
+    assert agree(four[:2])[0] == {"up": 60e6, "out": 47.8e6}  # 2 ranks: the lower of the two
+    assert agree(four[:3])[0] == {"up": 60e6, "out": 60e6}
+
+
+def test_a_plane_some_rank_has_not_measured_is_agreed_as_0():
+    agreed, highest = agree([{"up": 60e6, "out": 0.0}, {"up": 61e6, "out": 60e6}, {"up": 59e6, "out": 61e6}])
+    assert agreed == {"up": 60e6, "out": 0.0}
+    assert highest == {"up": 61e6, "out": 61e6}
+    assert replan_rates(agreed, PRIORS) is None
 
 
 def test_the_plan_is_rebuilt_only_from_complete_agreements_far_enough_off():
