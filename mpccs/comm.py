@@ -309,8 +309,9 @@ class Communicator:
         self._agreement_clock.agreed(agreed)
         planned = {p: model.rate_Bps for p, model in self._prior_costs.items()}
         rates = replan_rates(agreed, planned)
-        event = {"kind": "plan_rates", "measured_Bps": measured, "agreed_Bps": agreed, "highest_Bps": highest,
-                 "planned_Bps": planned, "replanned": rates is not None}
+        event = {"kind": "plan_rates", "measured_Bps": measured, "by_rank_Bps": {UP: rows[:, 0].tolist(),
+                                                                                 OUT: rows[:, 1].tolist()},
+                 "agreed_Bps": agreed, "highest_Bps": highest, "planned_Bps": planned, "replanned": rates is not None}
         self._plan_events.append(event)
         if rates is None:
             return

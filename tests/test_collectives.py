@@ -830,6 +830,7 @@ def test_ranks_in_two_domains_agree_on_measured_plan_rates_at_the_same_call():
     agreed = first[0]["agreed_Bps"]
     assert (agreed, first[0]["highest_Bps"]) == agree([e["measured_Bps"] for e in first]), first
     for e in first:
+        assert e["by_rank_Bps"] == {p: [f["measured_Bps"][p] for f in first] for p in ("up", "out")}, first
         assert e["highest_Bps"] == first[0]["highest_Bps"]
         assert e["planned_Bps"] == {"up": 5e9, "out": 0.7e9}  # the priors
     replanned = replan_rates(agreed, first[0]["planned_Bps"]) is not None
