@@ -305,12 +305,13 @@ class Communicator:
         rows = np.zeros((self.size, 2), dtype=np.float64)
         rows[self.rank] = (measured[UP], measured[OUT])
         self._run_control_op("plan_rates", rows.reshape(-1), "sum")
-        agreed, highest = agree([{UP: float(up), OUT: float(out)} for up, out in rows])
+        readings = [{UP: float(up), OUT: float(out)} for up, out in rows]
+        agreed, highest = agree(readings)
         self._agreement_clock.agreed(agreed)
         planned = {p: model.rate_Bps for p, model in self._prior_costs.items()}
         rates = replan_rates(agreed, planned)
-        event = {"kind": "plan_rates", "measured_Bps": measured, "by_rank_Bps": {UP: rows[:, 0].tolist(),
-                                                                                 OUT: rows[:, 1].tolist()},
+        event = {"kind": "plan_rates", "measured_Bps": measured,
+                 "by_rank_Bps": {p: [r[p] for r in readings] for p in (UP, OUT)},
                  "agreed_Bps": agreed, "highest_Bps": highest, "planned_Bps": planned, "replanned": rates is not None}
         self._plan_events.append(event)
         if rates is None:
@@ -324,7 +325,9 @@ class Communicator:
         # until a probe showed a gain, and probes judge whole stages, which overlap in a
         # pipelined schedule. Capped at 1.1x the lowest instead, 'up' read 66 MB/s on a 62.5 MB/s
         # link beside 'out' at 45, and ranks put none of a 64 MiB all_reduce's in-domain bytes on
-        # 'out' (1.01x 'up' against 1.25 with the stated rates as ceilings; testbed_2x2_s44).
+        # 'out' (1.01x 'up' against 1.25 with the stated rates as ceilings; testbed_2x2_s44). At
+        # 1.1x the agreed (lower-median) rates all_reduce held, but a reduce_scatter's agreement
+        # read 'out' at 92 MB/s, re-planned from it, and its 64 MiB points fell to 1.00x (s45).
         old = self._engine.controller.config
         config = dataclasses.replace(old, start_on_one_plane=False, prior_rate_Bps={**old.prior_rate_Bps, **rates},
                                      rate_ceiling_Bps=highest)

@@ -378,7 +378,8 @@ class PathController:
             self._epoch = epoch
         modes = {s: self._mode(s, k, by_src[s], solo_planes[s], epoch) for s in srcs}
         beside = {f.src for f in flows if f.companion}  # ranks whose 'out' other channels load (overlap)
-        sent = _bytes_by_sender(flows)
+        # what each rank sends in the stage: its flows; companions stand for other channels' load
+        sent = {s: sum(f.nbytes for f in fl if not f.companion) for s, fl in by_src.items()}
         allowed = {f.flow_id: self._allowed_planes(f, modes[f.src], view, f.src in beside, sent[f.src])
                    for f in flows}
         split_in = self._split_inputs(flows, allowed, caps, view)
@@ -555,9 +556,9 @@ class PathController:
         """The planes flow ``f`` may use. ``out_loaded_beside``: the stage has
         companions at f's sender (other channels' load on its 'out').
         ``sender_bytes``: what f's sender sends in the stage (its flows, not
-        companions), which min_multipath_bytes is held
-        against: the flows share the sender's ports, so their sum is what a
-        second plane would split. Held against each flow, the two 512 KiB flows
+        companions), which min_multipath_bytes is held against: the flows
+        share the sender's ports, so their sum is what a second plane would
+        split. Held against each flow, the two 512 KiB flows
         each rank sends in an in-domain stage of a 16 MiB hierarchical
         reduce_scatter (2x2, 8 channels) stayed on 'up': 0.99x 'up', where a
         fixed 0.8 split reads 1.30x."""
@@ -601,8 +602,8 @@ class PathController:
         The previous share is kept while it is within ``hysteresis`` of the
         target both as a share and in predicted time (the flow's finish on its
         sender's ports, a + (beside + x) / B per plane; see _port_time). The
-        time test matters when the planes are far
-        apart: with 'out' at a tenth of 'up', a share 3 points too high
+        time test matters when the planes are far apart: with 'out' at a
+        tenth of 'up', a share 3 points too high
         already makes the flow 30 % slower. Outside the band the share moves
         toward the target by at most ``max_step``.
 
@@ -1529,15 +1530,6 @@ def _models(ports: Mapping[int, Mapping[str, PathEstimate]],
     def rate(p, e):
         return min(e.rate_Bps, out_rate_max) if p == "out" and out_rate_max is not None else e.rate_Bps
     return {s: {p: PathModel(rate(p, e), e.latency_s) for p, e in pe.items()} for s, pe in ports.items()}
-
-
-def _bytes_by_sender(flows: Sequence[FlowDemand]) -> dict[int, int]:
-    """Bytes each rank sends in the stage: its flows, companions left out (they stand for other
-    channels' load and move nothing here)."""
-    sent: dict[int, int] = {}
-    for f in flows:
-        sent[f.src] = sent.get(f.src, 0) + (0 if f.companion else f.nbytes)
-    return sent
 
 
 def _loads_beside(flows: Sequence[FlowDemand], out_bytes: Mapping[int, float]) -> dict[int, dict[str, float]]:
