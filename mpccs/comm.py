@@ -264,7 +264,10 @@ class Communicator:
                                start_on_one_plane=not stated, prior_rate_Bps=priors,
                                rate_ceiling_Bps=stated or None)
         self._prior_costs = {p: PathModel(config.prior_rate_Bps[p], config.prior_delay_s[p]) for p in ("up", "out")}
-        return PathController(config, rank=self.rank)
+        controller = PathController(config, rank=self.rank)
+        if {"up", "out"} <= set(stated):
+            controller.split_pipelined_at(stated)
+        return controller
 
     def _make_plan_rate_measurement(self) -> None:
         """Without stated rates, ranks in several domains measure their planes and agree on the
@@ -314,6 +317,10 @@ class Communicator:
                  "by_rank_Bps": {p: [r[p] for r in readings] for p in (UP, OUT)},
                  "agreed_Bps": agreed, "highest_Bps": highest, "planned_Bps": planned, "replanned": rates is not None}
         self._plan_events.append(event)
+        measured_everywhere = all(agreed.get(p, 0.0) > 0 for p in (UP, OUT))
+        event["pipelined_split_Bps"] = dict(agreed) if measured_everywhere else None
+        if measured_everywhere:
+            self._engine.controller.split_pipelined_at(agreed)
         if rates is None:
             return
         self._prior_costs = {p: PathModel(rates[p], model.latency_s) for p, model in self._prior_costs.items()}
@@ -332,6 +339,7 @@ class Communicator:
         config = dataclasses.replace(old, start_on_one_plane=False, prior_rate_Bps={**old.prior_rate_Bps, **rates},
                                      rate_ceiling_Bps=highest)
         self._engine.controller = PathController(config, rank=self.rank)
+        self._engine.controller.split_pipelined_at(agreed)  # rates is not None: every plane measured
 
     def _forget_plans(self) -> None:
         """Drop every answer made from the plan rates: the plans and what depends on them."""

@@ -775,7 +775,8 @@ def test_each_policy_keeps_its_own_call_answers_when_the_policy_alternates(pools
 
 
 def pipelined_all_reduces(comm, calls):
-    """Adaptive 16 MiB all_reduces (float32): each result, and where the bytes went."""
+    """Adaptive 16 MiB all_reduces (float32): per call (algorithm, channels, the share of the
+    in-domain stages' bytes on 'out', controller events, the rates those stages were split at)."""
     n = LARGE_BYTES // 4
     x = (np.arange(n, dtype=np.float32) % 7) * (comm.rank + 1)
     want = (np.arange(n, dtype=np.float32) % 7) * sum(r + 1 for r in range(comm.size))
@@ -785,9 +786,12 @@ def pipelined_all_reduces(comm, calls):
         comm.all_reduce(x, y)
         assert np.array_equal(y, want)
         stats = comm.last_stats()
-        in_domain_out = sum(s["bytes_per_plane"]["out"] for s in stats["stages"] if s["label"].startswith("intra"))
+        intra = [s for s in stats["stages"] if s["label"].startswith("intra")]
+        in_domain_out = sum(s["bytes_per_plane"]["out"] for s in intra) / sum(
+            sum(s["bytes_per_plane"].values()) for s in intra)
         events = [e.get("event") for e in stats.get("events", ()) if e.get("kind") == "controller"]
-        seen.append((stats["algorithm"], stats["channels"], in_domain_out, events))
+        split_at = {str(s["split"].get("split_rates_Bps")) for s in intra if s.get("split")}
+        seen.append((stats["algorithm"], stats["channels"], in_domain_out, events, split_at))
     return seen
 
 
@@ -829,9 +833,12 @@ def test_ranks_in_two_domains_agree_on_measured_plan_rates_at_the_same_call():
     assert len({str(e["agreed_Bps"]) for e in first}) == 1, first
     agreed = first[0]["agreed_Bps"]
     assert (agreed, first[0]["highest_Bps"]) == agree([e["measured_Bps"] for e in first]), first
+    measured_everywhere = all(v > 0 for v in agreed.values())
     for e in first:
         assert e["by_rank_Bps"] == {p: [f["measured_Bps"][p] for f in first] for p in ("up", "out")}, first
         assert e["highest_Bps"] == first[0]["highest_Bps"]
+        # pipelined stages split at the agreed rates from here on, where every rank measured both planes
+        assert e["pipelined_split_Bps"] == (agreed if measured_everywhere else None), first
         assert e["planned_Bps"] == {"up": 5e9, "out": 0.7e9}  # the priors
     replanned = replan_rates(agreed, first[0]["planned_Bps"]) is not None
     assert all(e["replanned"] == replanned for e in first)
@@ -846,14 +853,18 @@ def test_ranks_in_two_domains_agree_on_measured_plan_rates_at_the_same_call():
 def test_stated_rates_split_a_pipelined_hierarchical_all_reduce_from_the_first_call():
     # 2 domains of 2 with 1:1 stated rates: the tuner plans the 8-channel hierarchical
     # all_reduce multipath (with the default priors, 7:1, it keeps it on one plane) and 'out'
-    # starts in use, so the first call already puts in-domain bytes on it; later calls follow
-    # the measured rates (shared memory against tcp on loopback here). Every result is exact
-    # and no controller event (drop, check) comes from these stages, which are not judged.
+    # starts in use, so the first call already puts in-domain bytes on it. Its in-domain
+    # stages are split at the stated rates (PathController.split_pipelined_at), not at what
+    # the stages measure here (shared memory against tcp on loopback): a quarter of them on
+    # 'out' in every call. Every result is exact and no controller event (drop, check) comes
+    # from these stages, which are not judged.
     pool = RankPool(4, env={"MPCCS_DOMAIN": lambda r: f"d{r // 2}", "MPCCS_PLANE_RATES": "up=1gbit,out=1gbit"})
+    stated = str({"up": 125e6, "out": 125e6})
     try:
         for seen in pool.run(pipelined_all_reduces, 8, timeout=180):
-            assert all((alg, channels) == ("hierarchical", 8) for alg, channels, _, _ in seen), seen
-            assert seen[0][2] > 0, seen
-            assert not any(events for _, _, _, events in seen), seen
+            assert all((alg, channels) == ("hierarchical", 8) for alg, channels, _, _, _ in seen), seen
+            assert all(0.2 <= in_domain_out <= 0.3 for _, _, in_domain_out, _, _ in seen), seen
+            assert all(split_at == {stated} for _, _, _, _, split_at in seen), seen
+            assert not any(events for _, _, _, events, _ in seen), seen
     finally:
         pool.close()

@@ -180,3 +180,74 @@ def test_a_peers_flow_is_predicted_on_its_own_whole_chunks():
     for rank in ("0", "1"):
         out = plan.reason["ranks"][rank]["bytes"]["out"]
         assert 0 < out < 8 * MiB and out % chunk == 0, (rank, out)
+
+
+def rank0_out_bytes(flows, reported=None, rates=None, pipelined_at=None):
+    """Bytes of rank 0's flow 0 on 'out', as rank 0's controller splits ``flows`` from
+    ``rates`` priors (per plane) and paths ``reported`` by their receivers, with
+    ``pipelined_at`` as its split_pipelined_at rates."""
+    rates = rates or {UP: 100e6, OUT: 100e6}
+    ctl = PathController(ControlConfig(prior_rate_Bps=rates, prior_delay_s={UP: 1e-4, OUT: 1e-4}), rank=0)
+    ctl.split_pipelined_at(pipelined_at)
+    for reporter, entries in (reported or {}).items():
+        ctl.estimator.set_remote(reporter, entries)
+    flow0 = next(f for f in flows if f.flow_id == 0)
+    return flow0.nbytes - ctl.decide(flows, now=0.0).up_bytes[0]
+
+
+def test_in_a_pipelined_schedule_a_rank_off_the_critical_path_splits_for_its_own_balance():
+    # Rank 2 sends twice as much, so the coflow makes it critical. Alone in its stage (one
+    # channel), rank 0 fills 'up' up to that stage time (less coflow_slack) and borrows
+    # little: the stage ends with rank 2 anyway. Beside other channels' cross-domain load
+    # (companions) its stages overlap theirs, and bytes it moves to 'up' stay on its 'up' port
+    # for the whole operation: on the 2x2 testbed (1 / 1 Gbit/s) one rank's view of another
+    # (a plan-rate prior where no report reached it, 108 MB/s against 136 measured) made the
+    # other three aim their 64 MiB in-domain splits at 1-16% on 'out' against a balance of
+    # ~23%, and the operation took as long as with a fixed 0.85 split.
+    inside = [FlowDemand(0, 0, 1, 2 * MiB, (UP, OUT)), FlowDemand(1, 2, 3, 4 * MiB, (UP, OUT))]
+    assert rank0_out_bytes(inside) < 128 * 1024
+    beside = [FlowDemand(-1, 0, 2, MiB, (OUT,), companion=True), FlowDemand(-2, 2, 0, 2 * MiB, (OUT,), companion=True)]
+    # (1 - x) n / u = (x n + P) / o at u = o, P = n / 2: x = 1/4
+    assert abs(rank0_out_bytes(inside + beside) - MiB // 2) <= 4096
+
+
+def test_a_whole_chunk_boundary_times_the_load_beside_on_the_port_and_the_flow_on_its_path():
+    # Rank 0's in-domain path on 'out' reads half its port (the receiver's link also takes a
+    # cross-domain flow); the port carries the cross-domain load at its own rate. The target
+    # (~22% of 2 MiB on 'out') lies between one and two 256 KiB chunks: two finish first
+    # ('out' 12.5 ms on the port, the flow's 512 KiB 8.4 ms on its path, 'up' 11.5). Timed with
+    # the path's rate for the port's 1.5 MiB, two chunks looked 25 ms and the split kept one.
+    flows = [FlowDemand(0, 0, 1, 2 * MiB, (UP, OUT), quantum_bytes=256 * 1024),
+             FlowDemand(-1, 0, 2, MiB, (OUT,), companion=True)]
+    reported = {1: {(0, UP, 1): (130e6, 1e-4, 0), (0, OUT, 1): (60e6, 1e-4, 0)},
+                2: {(0, OUT, 2): (120e6, 1e-4, 0)}}
+    assert rank0_out_bytes(flows, reported) == 512 * 1024
+
+
+def test_a_plane_the_model_gives_bytes_keeps_one_whole_chunk():
+    # 'out' read low (76 MB/s against 127 on 'up') beside a cross-domain companion: the target,
+    # ~6% of 2 MiB, lies under half a 256 KiB chunk. Rounded to none, the path would get no
+    # samples to correct that reading; one chunk keeps it measured.
+    flows = [FlowDemand(0, 0, 1, 2 * MiB, (UP, OUT), quantum_bytes=256 * 1024),
+             FlowDemand(-1, 0, 2, MiB, (OUT,), companion=True)]
+    rates = {UP: 127e6, OUT: 76e6}
+    assert rank0_out_bytes(flows, rates=rates) == 256 * 1024
+    # where the model itself gives 'out' nothing, nothing goes there
+    slow = {UP: 127e6, OUT: 20e6}
+    assert rank0_out_bytes(flows, rates=slow) == 0
+
+
+def test_pipelined_stages_split_at_the_rates_the_ranks_agreed_and_other_stages_at_the_estimates():
+    # Every path of rank 0 and of its domain peer reads 'out' at 90 MB/s (125 shaped: a plane a
+    # pipelined operation does not keep busy reads low) and 'up' at 125.
+    reported = {1: {(0, UP, 1): (125e6, 1e-4, 0), (0, OUT, 1): (90e6, 1e-4, 0)},
+                0: {(1, UP, 0): (125e6, 1e-4, 0), (1, OUT, 0): (90e6, 1e-4, 0)}}
+    agreed = {UP: 125e6, OUT: 125e6}
+    pipelined = [FlowDemand(0, 0, 1, 2 * MiB, (UP, OUT), quantum_bytes=256 * 1024),
+                 FlowDemand(1, 1, 0, 2 * MiB, (UP, OUT), quantum_bytes=256 * 1024),
+                 FlowDemand(-1, 0, 2, MiB, (OUT,), companion=True), FlowDemand(-2, 1, 3, MiB, (OUT,), companion=True)]
+    assert rank0_out_bytes(pipelined, reported) == 256 * 1024  # ~13% at the estimates: one chunk
+    assert rank0_out_bytes(pipelined, reported, pipelined_at=agreed) == 512 * 1024  # 1/4 at 1:1
+    alone = pipelined[:2]  # one channel: the stage has the planes to itself
+    # 90 / (125 + 90) of 2 MiB, to whole chunks: the agreed rates do not apply
+    assert rank0_out_bytes(alone, reported, pipelined_at=agreed) == 768 * 1024

@@ -13,6 +13,7 @@ transport or host names. See docs/controller.md for the equations.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import struct
@@ -328,6 +329,7 @@ class PathController:
         self._exports = 0
         self._merged: dict[int, bytes] = {}           # the last blob merged from each rank
         self._exported_up_rate: Optional[float] = None  # best 'up' rate in this rank's last export
+        self._pipelined_rates: Optional[dict[str, float]] = None  # see split_pipelined_at
         if self.config.start_on_one_plane and rank is not None:
             # 'out' has to earn its place: it starts dropped and is probed
             # after a couple of decisions; a probe that shows a gain re-adds it.
@@ -335,6 +337,24 @@ class PathController:
             st.dropped = {"out"}
             st.probe_interval = self.config.probe_every
             st.next_probe_k = FIRST_PROBE_AFTER
+
+    def split_pipelined_at(self, rates: Optional[Mapping[str, float]]) -> None:
+        """Split a pipelined schedule's stages (those with companions) at these
+        per-plane rates, every rank's ports alike, instead of at the estimates;
+        None: at the estimates.
+
+        The communicator passes the plan rates where they are measured and agreed
+        by every rank, or stated. What a pipelined operation's estimates rest on
+        is bytes over the time they were arriving (collective_op._teach_port_rates),
+        and a plane its stages do not keep busy reads below its rate there: on
+        2 domains of 2 at 1 / 1 Gbit/s the ranks' 'out' read 60-158 MB/s from
+        one operation to the next (125 shaped), a rank that read low put fewer
+        bytes there and read lower still (one stayed on no chunk of 'out' for 22
+        of 32 64 MiB operations), and the ranks of a domain split differently,
+        each stage waiting for the one that put more on 'up'. The agreed rates
+        are medians over operations and ranks, the same on every rank, and
+        follow the planes at each agreement (plan_rates.AgreementClock)."""
+        self._pipelined_rates = None if rates is None else {p: float(rates[p]) for p in PLANES}
 
     @property
     def rank(self) -> int:
@@ -370,6 +390,9 @@ class PathController:
         if len(srcs) == 1:
             self._inferred_rank = srcs[0]
         view = self.estimator.view(now, chunk)
+        at_plan_rates = self._pipelined_rates is not None and any(f.companion for f in flows)
+        if at_plan_rates:
+            view = _AtRates(view, self._pipelined_rates)
         ports = {s: {p: view.plane(s, p) for p in PLANES} for s in srcs}
         models = _models(ports)
         caps = qos.share_caps(flows, cfg.out_cap_share, align)
@@ -383,7 +406,8 @@ class PathController:
         allowed = {f.flow_id: self._allowed_planes(f, modes[f.src], view, f.src in beside, sent[f.src])
                    for f in flows}
         split_in = self._split_inputs(flows, allowed, caps, view)
-        split = solve_coflow(split_in, models, cfg.coflow_slack)
+        slack = math.inf if any(f.companion for f in flows) else cfg.coflow_slack
+        split = solve_coflow(split_in, models, slack)
         rate_cap_time = None
         if cfg.out_cap_rate_Bps is not None:
             # The stage as it runs with 'out' paced to the cap: both planes
@@ -393,24 +417,26 @@ class PathController:
             # made a 67 ms testbed stage look like 10 ms, its budget (315 KB)
             # rounded to no chunk at all, probes never measured 'out', and the
             # plane stayed dropped for good (testbed series, 250 Mbit/s cap).
-            capped = solve_coflow(split_in, _models(ports, cfg.out_cap_rate_Bps), cfg.coflow_slack)
+            capped = solve_coflow(split_in, _models(ports, cfg.out_cap_rate_Bps), slack)
             rate_cap_time = capped.stage_time_s
             caps = qos.combine(caps, qos.rate_caps(flows, cfg.out_cap_rate_Bps, rate_cap_time, align))
             split_in = self._split_inputs(flows, allowed, caps, view)
-            split = solve_coflow(split_in, models, cfg.coflow_slack)
+            split = solve_coflow(split_in, models, slack)
 
         out_real, settled = {}, {s: True for s in srcs}
         links_by_flow = {x.flow_id: x.links for x in split_in}
         loads_beside = _loads_beside(flows, split.out_bytes)
+        timing = {f.flow_id: _FlowTiming(models[f.src], links_by_flow[f.flow_id], loads_beside[f.flow_id])
+                  for f in flows}
         for f in flows:
             x, ok = self._stabilise(f, split.out_bytes.get(f.flow_id, 0.0), modes[f.src], allowed[f.flow_id],
-                                    links_by_flow[f.flow_id], loads_beside[f.flow_id])
+                                    timing[f.flow_id])
             out_real[f.flow_id] = x
             settled[f.src] &= ok
         for f in flows:
             out_real[f.flow_id] = self._apply_probe(f, out_real[f.flow_id], modes[f.src], allowed[f.flow_id])
             out_real[f.flow_id] = self._whole_chunks(f, out_real[f.flow_id], modes[f.src], allowed[f.flow_id],
-                                                     links_by_flow[f.flow_id], loads_beside[f.flow_id])
+                                                     timing[f.flow_id])
 
         up_bytes, out_cap = {}, {}
         for f in flows:
@@ -425,6 +451,7 @@ class PathController:
         reason = self._reason(k, now, chunk, align, by_src, split, finish, ports, modes, settled,
                               up_bytes, caps, split_in, solo_planes)
         reason["rate_cap_stage_time_s"] = rate_cap_time
+        reason["split_rates_Bps"] = dict(self._pipelined_rates) if at_plan_rates else None  # None: the estimates
         decision = StageDecision(
             up_bytes=up_bytes,
             window_bytes=self._windows_for_me(window_by_rank, chunk),
@@ -595,8 +622,7 @@ class PathController:
         ]
 
     def _stabilise(self, f: FlowDemand, target_out: float, mode: _Mode,
-                   allowed: tuple[str, ...], links: Mapping[str, PathModel],
-                   beside: Mapping[str, float]) -> tuple[float, bool]:
+                   allowed: tuple[str, ...], timing: "_FlowTiming") -> tuple[float, bool]:
         """Hysteresis band and bounded step on the flow's share on 'out'.
 
         The previous share is kept while it is within ``hysteresis`` of the
@@ -626,7 +652,7 @@ class PathController:
         prev = self._shares.get(key)
 
         def flow_time(share: float) -> float:
-            return _port_time(links, beside, n, n * share)
+            return timing.finish(n, n * share)
 
         def in_band(share: float) -> bool:
             return (abs(target - share) <= cfg.hysteresis
@@ -649,7 +675,7 @@ class PathController:
             store.pop(next(iter(store)))
 
     def _whole_chunks(self, f: FlowDemand, out: float, mode: _Mode, allowed: tuple[str, ...],
-                      links: Mapping[str, PathModel], beside: Mapping[str, float]) -> float:
+                      timing: "_FlowTiming") -> float:
         """The flow's bytes on 'out' moved to a neighbouring whole-chunk boundary:
         the one chosen last time while the model predicts it within
         ``chunk_hysteresis`` of the other, else the one it predicts finishes
@@ -675,15 +701,27 @@ class PathController:
         a 16 MiB hierarchical all_reduce (2 domains of 2, 1:1) beside a 512 KiB
         cross-domain flow on 'out' went 512 KiB on 'out' against a target of
         228 KiB (stages 1.3x their plan; operations as slow as 'up' alone).
+
+        Where the model gives both planes bytes, each keeps at least one chunk:
+        rounded to none, a plane's path to this peer gets no samples, and its
+        estimate stays where it was when the split left it. On the 2x2 testbed
+        (1 / 1 Gbit/s) a rank's 'out' estimate fell from 122 to 76 MB/s (125
+        shaped) in one operation, its split went to no chunk on 'out', and it
+        stayed there in 22 of the 32 64 MiB operations that followed, each at
+        'up''s time. One chunk costs at most one chunk's time, and its samples
+        can bring the estimate back.
         """
         q, n = f.quantum_bytes, f.nbytes
         if q <= 0 or n < 2 * q or mode.kind != "multipath" or len(allowed) < 2 or not 0 < out < n:
             return out
         up_chunks = (n - out) / q
-        candidates = sorted({float(n - min(n, k * q)) for k in (math.floor(up_chunks), math.ceil(up_chunks))})
+        # At least one chunk on each plane (the docstring's last paragraph): 0 < out < n
+        # and n >= 2q leave at least one of the two neighbours in 1..last.
+        last = math.ceil(n / q) - 1
+        candidates = sorted({float(n - k * q) for k in (math.floor(up_chunks), math.ceil(up_chunks)) if 1 <= k <= last})
 
         def flow_time(x: float) -> float:
-            return _port_time(links, beside, n, x)
+            return timing.finish(n, x)
 
         key = _size_class(f)
         best = min(candidates, key=lambda x: (flow_time(x), abs(x - out)))
@@ -1548,10 +1586,47 @@ def _loads_beside(flows: Sequence[FlowDemand], out_bytes: Mapping[int, float]) -
     return beside
 
 
-def _port_time(links: Mapping[str, PathModel], beside: Mapping[str, float], nbytes: float, out: float) -> float:
-    """When a flow of ``nbytes`` with ``out`` of them on 'out' is done on its sender's
-    ports, behind ``beside`` bytes of other flows on each plane."""
-    return max(links["up"].time(beside["up"] + nbytes - out), links["out"].time(beside["out"] + out))
+class _AtRates:
+    """An estimate view with every rank's planes at given rates (delays as
+    estimated): what a pipelined stage is split by (split_pipelined_at)."""
+
+    def __init__(self, view: EstimateView, rates: Mapping[str, float]):
+        self._view = view
+        self._rates = rates
+
+    def measured(self, src: int) -> dict[tuple[str, int], PathEstimate]:
+        return {key: self._at_rate(key[0], e) for key, e in self._view.measured(src).items()}
+
+    def plane(self, src: int, plane: str) -> PathEstimate:
+        return self._at_rate(plane, self._view.plane(src, plane))
+
+    def path(self, src: int, plane: str, peer: int) -> PathEstimate:
+        return self._at_rate(plane, self._view.path(src, plane, peer))
+
+    def _at_rate(self, plane: str, est: PathEstimate) -> PathEstimate:
+        return dataclasses.replace(est, rate_Bps=self._rates[plane])
+
+
+@dataclass(frozen=True)
+class _FlowTiming:
+    """What times one flow's split: its sender's ports (``ports``, every flow of
+    the rank shares them), behind ``beside`` bytes of its other flows on each
+    plane, and the flow's own paths (``links``), which carry its bytes alone.
+
+    The ports time the load beside, not the flow's path: a path reads below
+    its port where its receiver's link is shared with another sender, and the
+    bytes beside go to other receivers. Timed at the path's rate, the other
+    channels' cross-domain load made each chunk on 'out' look dearer than it is.
+    """
+
+    ports: Mapping[str, PathModel]
+    links: Mapping[str, PathModel]
+    beside: Mapping[str, float]
+
+    def finish(self, nbytes: float, out: float) -> float:
+        """When the flow is done with ``out`` of its ``nbytes`` on 'out'."""
+        on = {"up": nbytes - out, "out": out}
+        return max(max(self.ports[p].time(self.beside[p] + on[p]), self.links[p].time(on[p])) for p in PLANES)
 
 
 def _size_class(f: FlowDemand) -> tuple[int, int, int]:
