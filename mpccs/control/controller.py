@@ -406,6 +406,10 @@ class PathController:
         allowed = {f.flow_id: self._allowed_planes(f, modes[f.src], view, f.src in beside, sent[f.src])
                    for f in flows}
         split_in = self._split_inputs(flows, allowed, caps, view)
+        # With companions (a pipelined schedule) every rank splits for its own balance: its
+        # stages overlap the other channels', so bytes it moved to 'up' because another
+        # rank's stage ends later stay on its 'up' port for the whole operation (and that
+        # rank was often one this rank knew least: docs/controller.md, the coflow's fill).
         slack = math.inf if any(f.companion for f in flows) else cfg.coflow_slack
         split = solve_coflow(split_in, models, slack)
         rate_cap_time = None
@@ -1593,9 +1597,6 @@ class _AtRates:
     def __init__(self, view: EstimateView, rates: Mapping[str, float]):
         self._view = view
         self._rates = rates
-
-    def measured(self, src: int) -> dict[tuple[str, int], PathEstimate]:
-        return {key: self._at_rate(key[0], e) for key, e in self._view.measured(src).items()}
 
     def plane(self, src: int, plane: str) -> PathEstimate:
         return self._at_rate(plane, self._view.plane(src, plane))
