@@ -855,8 +855,8 @@ def test_stated_rates_split_a_pipelined_hierarchical_all_reduce_from_the_first_c
     # all_reduce multipath (with the default priors, 7:1, it keeps it on one plane) and 'out'
     # starts in use, so the first call already puts in-domain bytes on it. Its in-domain
     # stages are split at the stated rates (PathController.split_pipelined_at), not at what
-    # the stages measure here (shared memory against tcp on loopback): a quarter of them on
-    # 'out' in every call. Every result is exact and no controller event (drop, check) comes
+    # the stages measure here (shared memory against tcp on loopback): about a quarter of their
+    # bytes on 'out' in every call. Every result is exact and no controller event (drop, check) comes
     # from these stages, which are not judged.
     pool = RankPool(4, env={"MPCCS_DOMAIN": lambda r: f"d{r // 2}", "MPCCS_PLANE_RATES": "up=1gbit,out=1gbit"})
     stated = str({"up": 125e6, "out": 125e6})

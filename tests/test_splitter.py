@@ -200,10 +200,11 @@ def test_in_a_pipelined_schedule_a_rank_off_the_critical_path_splits_for_its_own
     # channel), rank 0 fills 'up' up to that stage time (less coflow_slack) and borrows
     # little: the stage ends with rank 2 anyway. Beside other channels' cross-domain load
     # (companions) its stages overlap theirs, and bytes it moves to 'up' stay on its 'up' port
-    # for the whole operation: on the 2x2 testbed (1 / 1 Gbit/s) one rank's view of another
-    # (a plan-rate prior where no report reached it, 108 MB/s against 136 measured) made the
-    # other three aim their 64 MiB in-domain splits at 1-16% on 'out' against a balance of
-    # ~23%, and the operation took as long as with a fixed 0.85 split.
+    # for the whole operation: on the 2x2 testbed (1 / 1 Gbit/s) rank 1's view of rank 3's 'up'
+    # held a plan-rate prior (no report of that path reached it: 108 MB/s against 136 measured),
+    # so rank 1 aimed its 64 MiB in-domain splits, and those it predicted for ranks 0 and 2, at
+    # 1-16% on 'out' against a balance of ~23%, and the operation took as long as with a fixed
+    # 0.85 split.
     inside = [FlowDemand(0, 0, 1, 2 * MiB, (UP, OUT)), FlowDemand(1, 2, 3, 4 * MiB, (UP, OUT))]
     assert rank0_out_bytes(inside) < 128 * 1024
     beside = [FlowDemand(-1, 0, 2, MiB, (OUT,), companion=True), FlowDemand(-2, 2, 0, 2 * MiB, (OUT,), companion=True)]
@@ -214,9 +215,10 @@ def test_in_a_pipelined_schedule_a_rank_off_the_critical_path_splits_for_its_own
 def test_a_whole_chunk_boundary_times_the_load_beside_on_the_port_and_the_flow_on_its_path():
     # Rank 0's in-domain path on 'out' reads half its port (the receiver's link also takes a
     # cross-domain flow); the port carries the cross-domain load at its own rate. The target
-    # (~22% of 2 MiB on 'out') lies between one and two 256 KiB chunks: two finish first
-    # ('out' 12.5 ms on the port, the flow's 512 KiB 8.4 ms on its path, 'up' 11.5). Timed with
-    # the path's rate for the port's 1.5 MiB, two chunks looked 25 ms and the split kept one.
+    # (~22% of 2 MiB on 'out') lies between one and two 256 KiB chunks: two finish first ('out'
+    # 13.2 ms on the port, the flow's 512 KiB 8.8 ms on its path, 'up' 12.2; one chunk: 'up'
+    # 14.2). Timed with the path's rate for the port's 1.5 MiB, two chunks looked 26 ms and the
+    # split kept one.
     flows = [FlowDemand(0, 0, 1, 2 * MiB, (UP, OUT), quantum_bytes=256 * 1024),
              FlowDemand(-1, 0, 2, MiB, (OUT,), companion=True)]
     reported = {1: {(0, UP, 1): (130e6, 1e-4, 0), (0, OUT, 1): (60e6, 1e-4, 0)},
@@ -226,8 +228,8 @@ def test_a_whole_chunk_boundary_times_the_load_beside_on_the_port_and_the_flow_o
 
 def test_a_plane_the_model_gives_bytes_keeps_one_whole_chunk():
     # 'out' read low (76 MB/s against 127 on 'up') beside a cross-domain companion: the target,
-    # ~6% of 2 MiB, lies under half a 256 KiB chunk. Rounded to none, the path would get no
-    # samples to correct that reading; one chunk keeps it measured.
+    # ~6% of 2 MiB, is about half a 256 KiB chunk, and timed, none finishes first. Rounded to
+    # none, the path would get no samples to correct that reading; one chunk keeps it measured.
     flows = [FlowDemand(0, 0, 1, 2 * MiB, (UP, OUT), quantum_bytes=256 * 1024),
              FlowDemand(-1, 0, 2, MiB, (OUT,), companion=True)]
     rates = {UP: 127e6, OUT: 76e6}
