@@ -300,8 +300,7 @@ class Communicator:
         (control.plan_rates.agree: the lower median per plane, 0 where some rank has none), and
         the plan rebuilt from them where they differ enough from its rates; the highest, the
         line rates the controller's estimates are capped at."""
-        from .control import PathController
-        from .control.plan_rates import agree, replan_rates
+        from .control.plan_rates import agree, measured_everywhere, replan_rates
 
         measured = self._plane_meter.rates()
         # an all_gather as a sum all_reduce: each rank fills its own row of zeros (exact: x + 0 == x)
@@ -313,16 +312,21 @@ class Communicator:
         self._agreement_clock.agreed(agreed)
         planned = {p: model.rate_Bps for p, model in self._prior_costs.items()}
         rates = replan_rates(agreed, planned)
-        event = {"kind": "plan_rates", "measured_Bps": measured,
-                 "by_rank_Bps": {p: [r[p] for r in readings] for p in (UP, OUT)},
-                 "agreed_Bps": agreed, "highest_Bps": highest, "planned_Bps": planned, "replanned": rates is not None}
-        self._plan_events.append(event)
-        measured_everywhere = all(agreed.get(p, 0.0) > 0 for p in (UP, OUT))
-        event["pipelined_split_Bps"] = dict(agreed) if measured_everywhere else None
-        if measured_everywhere:
+        complete = measured_everywhere(agreed)
+        self._plan_events.append({
+            "kind": "plan_rates", "measured_Bps": measured,
+            "by_rank_Bps": {p: [r[p] for r in readings] for p in (UP, OUT)},
+            "agreed_Bps": agreed, "highest_Bps": highest, "planned_Bps": planned, "replanned": rates is not None,
+            "pipelined_split_Bps": dict(agreed) if complete else None})
+        if rates is not None:
+            self._replan(rates, highest)
+        if complete:
             self._engine.controller.split_pipelined_at(agreed)
-        if rates is None:
-            return
+
+    def _replan(self, rates: dict, highest: dict) -> None:
+        """Plan by the agreed ``rates`` from now on, and restart the controller from them."""
+        from .control import PathController
+
         self._prior_costs = {p: PathModel(rates[p], model.latency_s) for p, model in self._prior_costs.items()}
         self._plan_rates_source = "measured"
         self._forget_plans()
@@ -339,7 +343,6 @@ class Communicator:
         config = dataclasses.replace(old, start_on_one_plane=False, prior_rate_Bps={**old.prior_rate_Bps, **rates},
                                      rate_ceiling_Bps=highest)
         self._engine.controller = PathController(config, rank=self.rank)
-        self._engine.controller.split_pipelined_at(agreed)  # rates is not None: every plane measured
 
     def _forget_plans(self) -> None:
         """Drop every answer made from the plan rates: the plans and what depends on them."""

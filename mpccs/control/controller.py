@@ -390,7 +390,8 @@ class PathController:
         if len(srcs) == 1:
             self._inferred_rank = srcs[0]
         view = self.estimator.view(now, chunk)
-        at_plan_rates = self._pipelined_rates is not None and any(f.companion for f in flows)
+        pipelined = any(f.companion for f in flows)  # other channels' stages overlap this one
+        at_plan_rates = pipelined and self._pipelined_rates is not None
         if at_plan_rates:
             view = _AtRates(view, self._pipelined_rates)
         ports = {s: {p: view.plane(s, p) for p in PLANES} for s in srcs}
@@ -410,7 +411,7 @@ class PathController:
         # stages overlap the other channels', so bytes it moved to 'up' because another
         # rank's stage ends later stay on its 'up' port for the whole operation (and that
         # rank was often one this rank knew least: docs/controller.md, the coflow's fill).
-        slack = math.inf if any(f.companion for f in flows) else cfg.coflow_slack
+        slack = math.inf if pipelined else cfg.coflow_slack
         split = solve_coflow(split_in, models, slack)
         rate_cap_time = None
         if cfg.out_cap_rate_Bps is not None:
@@ -631,7 +632,7 @@ class PathController:
 
         The previous share is kept while it is within ``hysteresis`` of the
         target both as a share and in predicted time (the flow's finish on its
-        sender's ports, a + (beside + x) / B per plane; see _port_time). The
+        sender's ports, a + (beside + x) / B per plane; see _FlowTiming). The
         time test matters when the planes are far apart: with 'out' at a
         tenth of 'up', a share 3 points too high
         already makes the flow 30 % slower. Outside the band the share moves

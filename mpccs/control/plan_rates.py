@@ -86,8 +86,13 @@ class AgreementClock:
 
     def agreed(self, agreed: Mapping[str, float]) -> None:
         """What the agreement due at this call found: it sets the next."""
-        complete = all(agreed.get(p, 0.0) > 0 for p in PLANES)
+        complete = measured_everywhere(agreed)
         self.next_at = self.calls + (self.config.agreement_every if complete else self.config.first_agreement)
+
+
+def measured_everywhere(agreed: Mapping[str, float], planes=PLANES) -> bool:
+    """Whether every rank measured each of ``planes`` (an agreed 0: some rank has no sample)."""
+    return all(agreed.get(p, 0.0) > 0 for p in planes)
 
 
 def agree(measured: list[Mapping[str, float]]) -> tuple[dict[str, float], dict[str, float]]:
@@ -118,7 +123,7 @@ def replan_rates(agreed: Mapping[str, float], planned: Mapping[str, float],
     it, and one plane's measurement against the other's prior compares two
     different machines), and some plane's agreed rate is ``factor`` or more off
     the rate the plan was made by."""
-    if any(agreed.get(p, 0.0) <= 0 for p in planned):
+    if not measured_everywhere(agreed, planned):
         return None
     if all(1 / factor < agreed[p] / planned[p] < factor for p in planned):
         return None
