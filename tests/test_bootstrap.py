@@ -236,6 +236,27 @@ def test_gpu_direct_adds_the_device_transports_to_each_plane():
     assert default_rndv_thresh("posix,cma,sysv,self,cuda_copy,cuda_ipc") == "ucx"
 
 
+def test_tcp_planes_send_in_64k_segments_unless_the_user_chose(monkeypatch):
+    from mpccs.transports.plane import TCP_TX_SEG_SIZE, Plane, tcp_config
+
+    monkeypatch.delenv("UCX_TCP_TX_SEG_SIZE", raising=False)
+    assert tcp_config("tcp") == tcp_config("tcp,cuda_copy") == {"TCP_TX_SEG_SIZE": TCP_TX_SEG_SIZE} == {
+        "TCP_TX_SEG_SIZE": "64K"}
+    assert tcp_config("all") == tcp_config("^ud") == tcp_config("tcp")
+    assert tcp_config("posix,cma,sysv,self") == tcp_config("^tcp,ud") == {}
+    # the context carries it (ucxx lists a transport's settings without the transport's prefix)
+    tcp = Plane("out", "tcp", devices="lo")
+    shm = Plane("up", "posix,cma,sysv,self")
+    try:
+        assert tcp._context.config.get("TX_SEG_SIZE") == "64K"
+        assert "TX_SEG_SIZE" not in shm._context.config
+    finally:
+        tcp.close()
+        shm.close()
+    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "16K")  # the user's own wins
+    assert tcp_config("tcp") == {}
+
+
 def test_gpu_direct_carries_calls_from_its_size_bound():
     # the routing rule alone (the GPU runs of tests/test_gpu.py cover both sides of it)
     import types

@@ -1,0 +1,115 @@
+"""UCX tcp segment size: 8 KiB (UCX's default) against 64 KiB (mpccs's), alternating launches.
+
+    python bench/tcp_segments_ab.py --out DIR [--rounds 3] [--segments 8K,64K]
+
+Each round runs, for every segment size in turn (UCX_TCP_TX_SEG_SIZE in the ranks'
+environment, which the planes keep over their own setting):
+
+- a 2-rank all_reduce on the default planes with every byte on `out` (tcp over loopback),
+  64 KiB to 64 MiB (`mpccs-perf --path out`): busbw per size;
+- 4 ranks as 2 domains of 2 on loopback, both planes tcp, rates stated
+  (`bench/cpu_per_op.py`, 16 MiB, a fixed 0.75 and `adaptive`): process time and wall
+  time per operation, the median over the ranks.
+
+The segment sizes alternate inside each round so that the host's drift (these 2-core
+machines move 30-40% within minutes) falls on all of them alike. Writes DIR/results.json
+and DIR/README.md: per size the median over the rounds and the range.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+PERF = ["mpccs-run", "-n", "2", "mpccs-perf", "all_reduce", "-b", "64K", "-e", "64M", "-f", "4",
+        "-n", "10", "-w", "3", "--path", "out"]
+CPU = ["mpccs-run", "-n", "4", "python", str(Path(__file__).with_name("cpu_per_op.py")), "16", "30"]
+CPU_LINE = re.compile(r"rank (\d) +(\S+) 16 MiB \S+ cpu ([\d.]+) ms, wall ([\d.]+) ms")
+
+
+def run(cmd: list[str], segment: str, extra_env: dict[str, str]) -> str:
+    env = {**os.environ, "UCX_TCP_TX_SEG_SIZE": segment, **extra_env}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return done.stdout
+
+
+def perf_busbw(segment: str) -> dict[int, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        run(PERF + ["-J", f"{tmp}/perf.json"], segment, {})
+        rows = json.loads(Path(f"{tmp}/perf.json").read_text())["rows"]
+    wrong = sum(r["wrong"] for r in rows)
+    if wrong:
+        sys.exit(f"segment {segment}: {wrong} wrong elements")
+    return {r["size"]: r["busbw"] for r in rows}
+
+
+def cpu_per_op(segment: str) -> dict[str, dict[str, float]]:
+    out = run(CPU, segment, {"MPCCS_PLANE_RATES": "up=1gbit,out=1gbit"})
+    per_policy: dict[str, dict[str, list[float]]] = {}
+    for _, policy, cpu, wall in CPU_LINE.findall(out):
+        d = per_policy.setdefault(policy, {"cpu_ms": [], "wall_ms": []})
+        d["cpu_ms"].append(float(cpu))
+        d["wall_ms"].append(float(wall))
+    return {p: {k: statistics.median(v) for k, v in d.items()} for p, d in per_policy.items()}
+
+
+def summarise(values: list[float]) -> str:
+    return f"{statistics.median(values):.3g} [{min(values):.3g}, {max(values):.3g}]"
+
+
+def report(results: dict, segments: list[str]) -> str:
+    lines = ["# UCX tcp segment size (`bench/tcp_segments_ab.py`)", "",
+             f"{len(results['rounds'])} rounds; in each the segment sizes alternate. "
+             "Median over the rounds [min, max].", "",
+             "## 2 ranks, default planes, every byte on `out` (tcp, loopback): all_reduce busbw (GB/s)", "",
+             "| size | " + " | ".join(segments) + " | ratio of medians |",
+             "|---|" + "---:|" * (len(segments) + 1)]
+    sizes = sorted({int(s) for r in results["rounds"] for s in r[segments[0]]["busbw"]})
+    for size in sizes:
+        cells = [[r[seg]["busbw"][str(size)] for r in results["rounds"]] for seg in segments]
+        ratio = statistics.median(cells[-1]) / statistics.median(cells[0])
+        lines.append(f"| {size >> 10} KiB | " + " | ".join(summarise(c) for c in cells) + f" | {ratio:.2f} |")
+    lines += ["", "## 4 ranks as 2 domains of 2, both planes tcp (loopback), 16 MiB all_reduce: per operation "
+              "(ms, median over ranks)", "",
+              "| policy | measure | " + " | ".join(segments) + " | ratio of medians |",
+              "|---|---|" + "---:|" * (len(segments) + 1)]
+    for policy in results["rounds"][0][segments[0]]["cpu_per_op"]:
+        for measure in ("cpu_ms", "wall_ms"):
+            cells = [[r[seg]["cpu_per_op"][policy][measure] for r in results["rounds"]] for seg in segments]
+            ratio = statistics.median(cells[-1]) / statistics.median(cells[0])
+            lines.append(f"| {policy} | {measure} | " + " | ".join(summarise(c) for c in cells) + f" | {ratio:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--segments", default="8K,64K")
+    args = ap.parse_args()
+    segments = args.segments.split(",")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"segments": segments, "rounds": []}
+    for i in range(args.rounds):
+        this_round = {}
+        for segment in segments:
+            print(f"round {i + 1}/{args.rounds}: segment {segment}", flush=True)
+            this_round[segment] = {"busbw": {str(k): v for k, v in perf_busbw(segment).items()},
+                                   "cpu_per_op": cpu_per_op(segment)}
+        results["rounds"].append(this_round)
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "README.md").write_text(report(results, segments))
+    print(report(results, segments))
+
+
+if __name__ == "__main__":
+    main()
