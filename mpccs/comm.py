@@ -289,6 +289,12 @@ class Communicator:
             self._plane_meter, self._agreement_clock = PlaneRateMeter(), AgreementClock()
 
     @property
+    def plan_rate_calls(self) -> int:
+        """Calls measured so far for the ranks' agreements on the plan rates (the same count
+        on every rank); 0 where the ranks do not measure them (rates stated, one domain)."""
+        return self._agreement_clock.calls if self._agreement_clock is not None else 0
+
+    @property
     def plan_rates(self) -> dict:
         """The rates (bytes/s) the tuner plans by, and where they came from: 'stated'
         (MPCCS_PLANE_RATES), 'priors', or 'measured' (agreed by every rank)."""

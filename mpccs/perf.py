@@ -324,14 +324,16 @@ def host_speed_line(speed: dict | None) -> str:
 def settle(comm, make_case, size_list, ops: int):
     """Run the controller's start-up before the sweep: at the first swept size
     where its clock advances (one operation there finds it: a size it may
-    split), ``ops`` operations under 'adaptive', then as many under 'up', each
-    series timed whole (the slowest rank). None when no swept size is one the
-    controller splits."""
+    split) or where the ranks measure their planes for the plan rates (several
+    domains without stated rates: until they agree, the tuner plans from the
+    priors, on one plane), ``ops`` operations under 'adaptive', then as many
+    under 'up', each series timed whole (the slowest rank). None when no swept
+    size is either."""
     for nbytes in size_list:
         case = make_case(nbytes)
-        before = comm.adaptive_epoch
+        before = (comm.adaptive_epoch, comm.plan_rate_calls)
         timed(comm, case, "adaptive")
-        if comm.adaptive_epoch > before:
+        if comm.adaptive_epoch > before[0] or comm.plan_rate_calls > before[1]:
             break
     else:
         return None

@@ -356,6 +356,11 @@ def test_testbed_2x2_reads_the_best_fixed_split_against_the_best_single_plane():
     assert verdict["ceiling"] == pytest.approx(1.33, abs=0.01)  # 1:1 rates (mpccs.sim.bounds)
     assert "| 16 MiB | 0.75 |" in text and "(MPCCS_PLANE_RATES): up=500mbit,out=500mbit." in text
     assert "Plan rates: not recorded." in text
+    assert "start-up ran inside the 16 MiB point (no --settle)" in text
+    settled = {"size": 16 * mib, "ops": 40, "adaptive_s": 5.2, "up_s": 5.4, "epoch": 3}
+    text_settled, _ = two_by_two.report(dict(data, meta={"settle": settled}), "1gbit", "1gbit", 12, [], None)
+    assert ("start-up ran before the sweep: 40 operations of 16 MiB under `adaptive` against as many under `up`, "
+            "adaptive / up time 0.96x (5200 / 5400 ms)") in text_settled
     measured = {"source": "measured", "up": 61.7e6, "out": 57.5e6}
     plain, (alone,) = two_by_two.report({"rows": data["rows"][:3] + [dict(data["rows"][5], plan_rates=measured)]},
                                         "1gbit", "500mbit", 12, [], None)

@@ -811,7 +811,7 @@ def plan_rate_agreements(comm, calls):
         work.wait()
     records += [work.stats() for work in works]
     events = [e for r in records for e in r.get("events", ()) if e.get("kind") == "plan_rates"]
-    return all(np.array_equal(y, want) for y in outs), events, comm.plan_rates
+    return all(np.array_equal(y, want) for y in outs), events, comm.plan_rates, comm.plan_rate_calls
 
 
 def test_ranks_in_two_domains_agree_on_measured_plan_rates_at_the_same_call():
@@ -827,9 +827,11 @@ def test_ranks_in_two_domains_agree_on_measured_plan_rates_at_the_same_call():
         results = pool.run(plan_rate_agreements, 8, timeout=240)
     finally:
         pool.close()
-    assert all(exact for exact, _, _ in results)
-    first = [events[0] for _, events, _ in results]
-    assert all(len(events) in (1, 2) for _, events, _ in results), results  # at call 4 (and 8 if incomplete)
+    assert all(exact for exact, _, _, _ in results)
+    # every call counted on every rank (mpccs-perf --settle runs the start-up where this advances)
+    assert [calls for _, _, _, calls in results] == [8] * 4
+    first = [events[0] for _, events, _, _ in results]
+    assert all(len(events) in (1, 2) for _, events, _, _ in results), results  # at call 4 (and 8 if incomplete)
     assert len({str(e["agreed_Bps"]) for e in first}) == 1, first
     agreed = first[0]["agreed_Bps"]
     assert (agreed, first[0]["highest_Bps"]) == agree([e["measured_Bps"] for e in first]), first
@@ -842,9 +844,9 @@ def test_ranks_in_two_domains_agree_on_measured_plan_rates_at_the_same_call():
         assert e["planned_Bps"] == {"up": 5e9, "out": 0.7e9}  # the priors
     replanned = replan_rates(agreed, first[0]["planned_Bps"]) is not None
     assert all(e["replanned"] == replanned for e in first)
-    rates = [r for _, _, r in results]
+    rates = [r for _, _, r, _ in results]
     assert all(r == rates[0] for r in rates), rates
-    if replanned or any(len(ev) == 2 and ev[1]["replanned"] for _, ev, _ in results):
+    if replanned or any(len(ev) == 2 and ev[1]["replanned"] for _, ev, _, _ in results):
         assert rates[0]["source"] == "measured" and rates[0]["up"] > 0 and rates[0]["out"] > 0
     else:
         assert rates[0] == {"source": "priors", "up": 5e9, "out": 0.7e9}
