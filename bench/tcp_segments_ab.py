@@ -7,7 +7,7 @@ environment, which the planes keep over their own setting):
 
 - a 2-rank all_reduce on the default planes with every byte on `out` (tcp over loopback),
   64 KiB to 64 MiB (`mpccs-perf --path out`): busbw per size;
-- 4 ranks as 2 domains of 2 on loopback, both planes tcp, rates stated
+- 4 ranks as 2 domains of 2 on loopback (`up` shared memory in a domain, `out` tcp), rates stated
   (`bench/cpu_per_op.py`, 16 MiB, a fixed 0.75 and `adaptive`): process time and wall
   time per operation, the median over the ranks.
 
@@ -27,9 +27,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-PERF = ["mpccs-run", "-n", "2", "mpccs-perf", "all_reduce", "-b", "64K", "-e", "64M", "-f", "4",
+BIN = os.path.dirname(sys.executable)  # the launcher and the perf tool of this interpreter's environment
+PERF = [os.path.join(BIN, "mpccs-run"), "-n", "2", os.path.join(BIN, "mpccs-perf"), "all_reduce", "-b", "64K", "-e", "64M", "-f", "4",
         "-n", "10", "-w", "3", "--path", "out"]
-CPU = ["mpccs-run", "-n", "4", "python", str(Path(__file__).with_name("cpu_per_op.py")), "16", "30"]
+CPU = [os.path.join(BIN, "mpccs-run"), "-n", "4", sys.executable, str(Path(__file__).with_name("cpu_per_op.py")), "16", "30"]
 CPU_LINE = re.compile(r"rank (\d) +(\S+) 16 MiB \S+ cpu ([\d.]+) ms, wall ([\d.]+) ms")
 
 
@@ -77,7 +78,7 @@ def report(results: dict, segments: list[str]) -> str:
         cells = [[r[seg]["busbw"][str(size)] for r in results["rounds"]] for seg in segments]
         ratio = statistics.median(cells[-1]) / statistics.median(cells[0])
         lines.append(f"| {size >> 10} KiB | " + " | ".join(summarise(c) for c in cells) + f" | {ratio:.2f} |")
-    lines += ["", "## 4 ranks as 2 domains of 2, both planes tcp (loopback), 16 MiB all_reduce: per operation "
+    lines += ["", "## 4 ranks as 2 domains of 2 (`up` shared memory, `out` tcp on loopback), 16 MiB all_reduce: per operation "
               "(ms, median over ranks)", "",
               "| policy | measure | " + " | ".join(segments) + " | ratio of medians |",
               "|---|---|" + "---:|" * (len(segments) + 1)]

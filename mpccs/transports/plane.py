@@ -42,10 +42,10 @@ def default_rndv_thresh(tls: str) -> str:
 
 
 # UCX's tcp transport cuts a message into segments of UCX_TCP_TX_SEG_SIZE (8 KiB by
-# default), one send call each. On loopback a 2-rank all_reduce on a tcp plane went
-# 0.55-0.70 GB/s busbw at 4-32 MiB with 8 KiB segments and 1.23-1.74 with 64 KiB; a
-# 4-rank 16 MiB all_reduce (2 domains, both planes tcp) spent 20-40% less CPU per
-# operation (docs/design.md, "Protocol choice per plane").
+# default), one send call each. On loopback (bench/results/tcp_segments_s47/) a 2-rank
+# all_reduce on a tcp plane went 0.51-0.55 GB/s busbw from 1 MiB with 8 KiB segments and
+# 0.95-1.09 with 64 KiB; 4 ranks as 2 domains of 2 (`out` tcp) spent 28% less CPU per
+# 16 MiB all_reduce (docs/design.md, "Protocol choice per plane").
 TCP_TX_SEG_SIZE = "64K"
 
 
