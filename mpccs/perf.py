@@ -331,9 +331,9 @@ def settle(comm, make_case, size_list, ops: int):
     size is either."""
     for nbytes in size_list:
         case = make_case(nbytes)
-        before = (comm.adaptive_epoch, comm.plan_rate_calls)
+        before = (comm.adaptive_epoch, comm.plan_rate_calls)  # counters: they only grow
         timed(comm, case, "adaptive")
-        if comm.adaptive_epoch > before[0] or comm.plan_rate_calls > before[1]:
+        if (comm.adaptive_epoch, comm.plan_rate_calls) != before:
             break
     else:
         return None

@@ -28,6 +28,11 @@ _SHM_ONLY = {"posix", "sysv", "cma", "mm", "sm", "shm", "knem", "xpmem", "self",
 _DEVICE_COPY_TLS = frozenset(GPU_DIRECT_UP_TLS + GPU_DIRECT_OUT_TLS)
 
 
+def _transport_names(tls: str) -> set[str]:
+    """The transports a UCX_TLS list names, without '^' or a ':' suffix."""
+    return {t.lstrip("^").split(":")[0] for t in tls.split(",")}
+
+
 def default_rndv_thresh(tls: str) -> str:
     """Eager for every size on socket-only planes, UCX's choice elsewhere.
 
@@ -37,7 +42,7 @@ def default_rndv_thresh(tls: str) -> str:
     ~60% of its rate. Eager messages went at 91-97% (docs/design.md). Zero-copy
     transports (shared memory, RDMA) keep UCX's rendezvous.
     """
-    names = {t.lstrip("^").split(":")[0] for t in tls.split(",")} - _DEVICE_COPY_TLS
+    names = _transport_names(tls) - _DEVICE_COPY_TLS
     return "inf" if names <= {"tcp", "self"} else "ucx"
 
 
@@ -55,7 +60,7 @@ def tcp_config(tls: str) -> dict[str, str]:
     A user's own UCX_TCP_TX_SEG_SIZE wins (the context's settings would
     otherwise override the environment).
     """
-    names = {t.lstrip("^").split(":")[0] for t in tls.split(",")}
+    names = _transport_names(tls)
     # "^a,b" is every transport but a and b (UCX_TLS's syntax); "all" includes tcp
     uses_tcp = "tcp" not in names if tls.startswith("^") else bool(names & {"tcp", "all"})
     if not uses_tcp or "UCX_TCP_TX_SEG_SIZE" in os.environ:
@@ -95,8 +100,7 @@ class Plane:
         self._endpoints: dict[int, object] = {}
         self._addresses: dict[int, bytes] = {}  # kept so a failed plane can reconnect
         self._severed: set[int] = set()  # fault injection: see sever()
-        tl_names = {t.lstrip("^").split(":")[0] for t in tls.split(",")}
-        self.error_handling = not tl_names <= _SHM_ONLY
+        self.error_handling = not _transport_names(tls) <= _SHM_ONLY
         self.closed = False
 
     # -- wiring ---------------------------------------------------------
