@@ -747,13 +747,25 @@ class Communicator:
     def _measure_plan_rates(self, name: str, nbytes: int):
         """The plane meter where this call is measured, else None; first, where the clock
         says so, the ranks agree on the plan rates (every rank at the same call: the
-        calls run here are the same on every rank, and so are their sizes)."""
+        calls run here are the same on every rank, and so are their sizes).
+
+        Every measured call counts for the clock, but only calls under 'adaptive'
+        feed the meter: the agreed rates split its stages, and a plane is read true
+        only where its load is the one those splits give it. Under another policy a
+        plane may carry a small part (under 'up', 'out' takes only the cross-domain
+        steps), its messages land in the socket buffers before this rank looks for
+        them or after it waited for a late peer, and its rate reads anywhere from
+        0.5x to 2.5x the link's: on 2 domains of 2 at 1 / 1 Gbit/s, 40 operations
+        under 'up' (mpccs-perf --settle's baseline) left 'out' agreed at 77 MB/s on
+        one run and 198 on another (125 shaped), and 'adaptive' then put 1/8 or 3/8
+        of its in-domain bytes on 'out' instead of 1/4, 12-15% slower, until the
+        next agreement (bench/results/testbed_2x2_s48/)."""
         clock = self._agreement_clock
         if clock is None or not clock.measured(name, nbytes):
             return None
         if clock.tick():
             self._agree_plan_rates()
-        return self._plane_meter
+        return self._plane_meter if self._policy == "adaptive" else None
 
     def _chunking_for(self, plan: "CallPlan", sends_on_one_plane: bool) -> tuple[int, bool]:
         """How this rank cuts its flows: (chunk bytes, whole flows). The tuner's chunk,

@@ -852,6 +852,42 @@ def test_ranks_in_two_domains_agree_on_measured_plan_rates_at_the_same_call():
         assert rates[0] == {"source": "priors", "up": 5e9, "out": 0.7e9}
 
 
+def plan_rates_by_policy(comm, policies):
+    """One 8 MiB all_reduce (float32) under each of ``policies`` in turn: (every result
+    exact, the plan-rate events, the calls counted)."""
+    n = (8 << 20) // 4
+    x = (np.arange(n, dtype=np.float32) % 5) * (comm.rank + 1)
+    want = (np.arange(n, dtype=np.float32) % 5) * sum(r + 1 for r in range(comm.size))
+    exact, events = True, []
+    for policy in policies:
+        comm.set_path_policy(policy)
+        y = comm.all_reduce(x, np.empty_like(x))
+        exact = exact and np.array_equal(y, want)
+        events += [e for e in comm.last_stats().get("events", ()) if e.get("kind") == "plan_rates"]
+    return exact, events, comm.plan_rate_calls
+
+
+def test_only_adaptive_calls_feed_the_plan_rate_meter():
+    # Calls under another policy count for the agreement clock (the same calls on every rank)
+    # but measure nothing: under 'up' a plane carries a load no split of 'adaptive' gives it
+    # and reads 0.5-2.5x its rate (Communicator._measure_plan_rates). The agreement at the
+    # fourth call, after four calls under 'up' and 0.5, finds no rank with a sample; the
+    # adaptive calls after it are measured, and the next agreement, four calls later (the
+    # first found a plane unmeasured), has their samples.
+    pool = RankPool(4, env={"MPCCS_DOMAIN": lambda r: f"d{r // 2}"})
+    try:
+        results = pool.run(plan_rates_by_policy, ["up", "up", 0.5, "up"] + ["adaptive"] * 4, timeout=240)
+    finally:
+        pool.close()
+    assert all(exact for exact, _, _ in results)
+    assert [calls for _, _, calls in results] == [8] * 4
+    for _, events, _ in results:
+        assert len(events) == 2, events  # at calls 4 and 8
+        assert events[0]["measured_Bps"] == {"up": 0.0, "out": 0.0}, events[0]
+        assert events[0]["pipelined_split_Bps"] is None, events[0]
+        assert events[1]["measured_Bps"]["out"] > 0, events[1]  # the cross-domain steps at least
+
+
 def test_stated_rates_split_a_pipelined_hierarchical_all_reduce_from_the_first_call():
     # 2 domains of 2 with 1:1 stated rates: the tuner plans the 8-channel hierarchical
     # all_reduce multipath (with the default priors, 7:1, it keeps it on one plane) and 'out'

@@ -7,9 +7,9 @@ development machines (shm against tcp on loopback, 7:1); on planes closer than
 that (2 domains of 2 at 1:1) they keep a hierarchical all_reduce on one plane
 where both would carry it 1.25x faster.
 
-Without stated rates, each rank measures what its planes deliver
-(``PlaneRateMeter``: a large operation's bytes that reached this rank on a
-plane over the time any of them was arriving), and at call counts every rank
+Without stated rates, each rank measures what its planes deliver in its
+'adaptive' calls (``PlaneRateMeter``: a large operation's bytes that reached
+this rank on a plane over the time any of them was arriving), and at call counts every rank
 shares (``AgreementClock``) the ranks agree on one rate per plane, the lower
 median of what they measured (``agree``), and on the highest, which caps the
 controller's estimates as a stated line rate would. The plan is
