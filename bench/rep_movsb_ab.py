@@ -40,25 +40,16 @@ def environment(kind: str) -> dict[str, str]:
     return env
 
 
-def mpccs_busbw(kind: str) -> dict[int, float]:
+def busbw(command: list[str], kind: str) -> dict[int, float]:
+    """Busbw per size of one launch of ``command`` (mpccs-perf or peers.py: the same JSON rows)."""
     with tempfile.TemporaryDirectory() as tmp:
-        done = subprocess.run(PERF + ["-J", f"{tmp}/perf.json"], env=environment(kind), capture_output=True,
+        done = subprocess.run(command + ["-J", f"{tmp}/rows.json"], env=environment(kind), capture_output=True,
                               text=True, timeout=600)
         if done.returncode != 0:
-            sys.exit(f"mpccs-perf failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-        rows = json.loads(Path(f"{tmp}/perf.json").read_text())["rows"]
+            sys.exit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        rows = json.loads(Path(f"{tmp}/rows.json").read_text())["rows"]
     if sum(r["wrong"] for r in rows):
-        sys.exit("mpccs-perf: wrong elements")
-    return {r["size"]: r["busbw"] for r in rows}
-
-
-def mpich_busbw(kind: str) -> dict[int, float]:
-    with tempfile.TemporaryDirectory() as tmp:
-        done = subprocess.run(PEERS + ["-J", f"{tmp}/peers.json"], env=environment(kind), capture_output=True,
-                              text=True, timeout=600)
-        if done.returncode != 0:
-            sys.exit(f"peers.py failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-        rows = json.loads(Path(f"{tmp}/peers.json").read_text())["rows"]
+        sys.exit(f"{' '.join(command)}: wrong elements")
     return {r["size"]: r["busbw"] for r in rows}
 
 
@@ -70,7 +61,7 @@ def report(results: dict) -> str:
         lines += [f"## {tool}", "", "| size | environment | median | launches |", "|---|---|---:|---|"]
         for size in sizes:
             for kind in results:
-                values = [launch[str(size)] if str(size) in launch else launch[size] for launch in results[kind][tool]]
+                values = [launch[str(size)] for launch in results[kind][tool]]
                 lines.append(f"| {size >> 10} KiB | {kind} | {statistics.median(values):.2f} | "
                              + " ".join(f"{v:.1f}" for v in values) + " |")
         lines.append("")
@@ -86,8 +77,8 @@ def main(argv=None) -> int:
     results = {kind: {"mpccs up": [], "MPICH": []} for kind in kinds}
     for round_ in range(ns.rounds):
         for kind in (kinds if round_ % 2 == 0 else kinds[::-1]):
-            results[kind]["mpccs up"].append({str(k): v for k, v in mpccs_busbw(kind).items()})
-            results[kind]["MPICH"].append({str(k): v for k, v in mpich_busbw(kind).items()})
+            results[kind]["mpccs up"].append({str(k): v for k, v in busbw(PERF, kind).items()})
+            results[kind]["MPICH"].append({str(k): v for k, v in busbw(PEERS, kind).items()})
         print(f"round {round_ + 1}/{ns.rounds} done", flush=True)
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
