@@ -9,7 +9,8 @@ where both would carry it 1.25x faster.
 
 Without stated rates, each rank measures what its planes deliver in its
 'adaptive' calls (``PlaneRateMeter``: a large operation's bytes that reached
-this rank on a plane over the time any of them was arriving), and at call counts every rank
+this rank on a plane over the time any of them was arriving; the communicator
+says why only those), and at call counts every rank
 shares (``AgreementClock``) the ranks agree on one rate per plane, the lower
 median of what they measured (``agree``), and on the highest, which caps the
 controller's estimates as a stated line rate would. The plan is
