@@ -22,31 +22,23 @@ import argparse
 import json
 import statistics
 
+from mpccs.collective_op import _busy_time
 from mpccs.config import parse_size
-
-
-def union_length(spans: list[tuple[float, float]]) -> float:
-    """The time any of the spans was open."""
-    busy, reach = 0.0, float("-inf")
-    for start, end in sorted(spans):
-        busy += max(0.0, end - max(start, reach))
-        reach = max(reach, end)
-    return busy
+from mpccs.control.plan_rates import PlanRateConfig
 
 
 def readings(record: dict) -> dict[str, float]:
-    """Per plane, the meter's reading of one operation (bytes/s), where 1 MiB or more arrived."""
+    """Per plane, the meter's reading of one operation (bytes/s), where enough arrived to count."""
     spans: dict[str, list] = {}
     for stage in record.get("stages", ()):
         start = stage["t_start_wall"]
         for plane, arrived in (stage.get("arrivals") or {}).items():
             if arrived["bytes"] > 0:
-                spans.setdefault(plane, []).append((start, start + arrived["last_s"], arrived["bytes"]))
+                spans.setdefault(plane, []).append((start, start + arrived["last_s"], arrived["bytes"], None))
     out = {}
     for plane, items in spans.items():
-        nbytes = sum(n for _, _, n in items)
-        busy = union_length([(a, b) for a, b, _ in items])
-        if nbytes >= 1 << 20 and busy > 0:
+        nbytes, busy, _ = _busy_time(items)  # the meter's own union (CollectiveOp)
+        if nbytes >= PlanRateConfig().min_plane_bytes and busy > 0:
             out[plane] = nbytes / busy
     return out
 

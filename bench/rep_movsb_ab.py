@@ -19,10 +19,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from stats import launched_rows
 
 BIN = os.path.dirname(sys.executable)
 SIZES = ["-b", "256K", "-e", "16M", "-f", "2"]
@@ -42,15 +42,7 @@ def environment(kind: str) -> dict[str, str]:
 
 def busbw(command: list[str], kind: str) -> dict[int, float]:
     """Busbw per size of one launch of ``command`` (mpccs-perf or peers.py: the same JSON rows)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        done = subprocess.run(command + ["-J", f"{tmp}/rows.json"], env=environment(kind), capture_output=True,
-                              text=True, timeout=600)
-        if done.returncode != 0:
-            sys.exit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-        rows = json.loads(Path(f"{tmp}/rows.json").read_text())["rows"]
-    if sum(r["wrong"] for r in rows):
-        sys.exit(f"{' '.join(command)}: wrong elements")
-    return {r["size"]: r["busbw"] for r in rows}
+    return {r["size"]: r["busbw"] for r in launched_rows(command, environment(kind))}
 
 
 def report(results: dict) -> str:

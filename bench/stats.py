@@ -12,6 +12,9 @@ import argparse
 import json
 import math
 import os
+import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -179,3 +182,23 @@ def ab_report_head(title: str, meta: dict, columns: str, align: str) -> list[str
     return [f"## {title}", "",
             f"mpccs {meta['mpccs']}, {meta['iters']} interleaved iterations of {meta['block']} operations, "
             f"{meta['host']}", "", columns, align]
+
+
+def launched(cmd: list[str], env: dict[str, str], timeout: float = 600) -> str:
+    """The output of one launch of ``cmd`` (a launcher and its ranks); exits with its tail if it failed."""
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return done.stdout
+
+
+def launched_rows(cmd: list[str], env: dict[str, str]) -> list[dict]:
+    """The JSON rows (``-J``) of one launch of mpccs-perf or bench/peers.py; exits if any element was wrong."""
+    with tempfile.TemporaryDirectory() as tmp:
+        launched(cmd + ["-J", f"{tmp}/rows.json"], env)
+        with open(f"{tmp}/rows.json") as fh:
+            rows = json.load(fh)["rows"]
+    wrong = sum(r["wrong"] for r in rows)
+    if wrong:
+        sys.exit(f"{' '.join(cmd)}: {wrong} wrong elements")
+    return rows

@@ -22,10 +22,10 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from stats import launched, launched_rows
 
 BIN = os.path.dirname(sys.executable)  # the launcher and the perf tool of this interpreter's environment
 PERF = [os.path.join(BIN, "mpccs-run"), "-n", "2", os.path.join(BIN, "mpccs-perf"), "all_reduce", "-b", "64K", "-e", "64M", "-f", "4",
@@ -35,21 +35,11 @@ CPU_LINE = re.compile(r"rank (\d) +(\S+) 16 MiB \S+ cpu ([\d.]+) ms, wall ([\d.]
 
 
 def run(cmd: list[str], segment: str, extra_env: dict[str, str]) -> str:
-    env = {**os.environ, "UCX_TCP_TX_SEG_SIZE": segment, **extra_env}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    return done.stdout
+    return launched(cmd, {**os.environ, "UCX_TCP_TX_SEG_SIZE": segment, **extra_env})
 
 
 def perf_busbw(segment: str) -> dict[int, float]:
-    with tempfile.TemporaryDirectory() as tmp:
-        run(PERF + ["-J", f"{tmp}/perf.json"], segment, {})
-        rows = json.loads(Path(f"{tmp}/perf.json").read_text())["rows"]
-    wrong = sum(r["wrong"] for r in rows)
-    if wrong:
-        sys.exit(f"segment {segment}: {wrong} wrong elements")
-    return {r["size"]: r["busbw"] for r in rows}
+    return {r["size"]: r["busbw"] for r in launched_rows(PERF, {**os.environ, "UCX_TCP_TX_SEG_SIZE": segment})}
 
 
 def cpu_per_op(segment: str) -> dict[str, dict[str, float]]:
