@@ -53,13 +53,15 @@ not its successor's.
 from __future__ import annotations
 
 import errno
-from typing import Callable
+import time
+from typing import Callable, Optional
 
 import numpy as np
 
 from .errors import TransportError
+from .control.landing import LandingChoices
 from .reduce import reduce_to
-from .transports import cma
+from .transports import cacheflush, cma
 from .transports.shm import SLOT_DONE, SLOT_OUT, SLOT_POSTED, SLOT_REDUCED, SLOT_SHAPE, SLOT_SRC, SLOTS
 from .two_step import STEPS, _geometry, _split_at, halves
 
@@ -85,10 +87,13 @@ class CmaSteps:
     """One 2-rank call's steps (module docstring), posted at once; advance() until
     ``done``. ``scratch(nbytes)``: where an in-place block lands before it is
     reduced; ``error(message, step)`` makes the exception a failed step raises
-    (naming rank, plane, peer, step)."""
+    (naming rank, plane, peer, step). ``landing``: whether an in-place
+    all_reduce flushes the lines its second read lands in, per size of landing
+    (control/landing.py)."""
 
     def __init__(self, pair, seq: int, rank: int, collective: str, src: np.ndarray, out: np.ndarray, op: str,
-                 scratch: Callable[[int], np.ndarray], error: Callable[[str, str], TransportError], root: int = 0):
+                 scratch: Callable[[int], np.ndarray], error: Callable[[str, str], TransportError], root: int = 0,
+                 landing: Optional[LandingChoices] = None):
         self.pair, self.seq, self.rank, self.op = pair, seq, rank, op
         self.slot = seq % SLOTS
         self.steps, geometry = _blocks(collective, src, out, rank)
@@ -102,6 +107,11 @@ class CmaSteps:
         self.shape = SHAPE_CODES[collective] << 56 | root << 48 | src.nbytes
         self.scratch, self.error = scratch, error
         self.peer_out = 0
+        # In place, the peer read this rank's operand of its block from where its result lands (_land_result).
+        self.landing = (landing.for_bytes(self.theirs_out.nbytes)
+                        if landing is not None and collective == "all_reduce" and np.may_share_memory(src, out)
+                        else None)
+        self._first_reads_s = 0.0  # the first step's reads (into the kept buffer): the landing's reference
         own = pair.own_slots[self.slot]
         own[SLOT_SRC], own[SLOT_OUT], own[SLOT_SHAPE] = src.ctypes.data, out.ctypes.data, self.shape
         pair.post_slot(self.slot, SLOT_POSTED, seq)
@@ -134,7 +144,7 @@ class CmaSteps:
             if len(self.steps) == 1:  # the peer is done with this rank's input
                 self.phase = FINISHED
                 return True
-            self._read(self.theirs_out, self.peer_out + self.out_offset, SLOT_REDUCED)
+            self._land_result()
             self.pair.post_slot(self.slot, SLOT_DONE, seq)
             self.phase, moved = PEER_DONE, True
         if self.phase == PEER_DONE and peer[SLOT_DONE] == seq:
@@ -180,12 +190,34 @@ class CmaSteps:
         dest = mine if in_place else self.mine_out
         scratch = self.scratch(min(mine.nbytes, step * itemsize)).view(mine.dtype) if in_place else None
         # Each part's address from one base (cma.read_at), not from numpy per part.
-        landing, stride = (scratch.ctypes.data, 0) if in_place else (dest.ctypes.data, step * itemsize)
+        land_at, stride = (scratch.ctypes.data, 0) if in_place else (dest.ctypes.data, step * itemsize)
+        timed = self.landing is not None
         for k, lo in enumerate(range(0, mine.size, step)):
             part = dest[lo:lo + step]
             incoming = part if scratch is None else scratch[:part.size]
-            self._read_at(landing + k * stride, part.nbytes, address + lo * itemsize, SLOT_POSTED)
+            start = time.perf_counter() if timed else 0.0
+            self._read_at(land_at + k * stride, part.nbytes, address + lo * itemsize, SLOT_POSTED)
+            if timed:
+                self._first_reads_s += time.perf_counter() - start
             self._reduce(part, mine[lo:lo + step], incoming)
+
+    def _land_result(self) -> None:
+        """Read the peer's block of an all_reduce's output into this rank's. In place,
+        flush the lines it lands in first where ``landing`` says so, and tell it how
+        long the landing took per byte against the first step's reads."""
+        address, landing = self.peer_out + self.out_offset, self.landing
+        if landing is None:
+            self._read(self.theirs_out, address, SLOT_REDUCED)
+            return
+        flushes = landing.flush_next()
+        if flushes:
+            cacheflush.prepare()  # (numba's first load, not timed)
+        start = time.perf_counter()
+        if flushes:
+            cacheflush.flush(self.theirs_out)
+        self._read(self.theirs_out, address, SLOT_REDUCED)
+        landing.record(flushes, (time.perf_counter() - start) / max(1, self.theirs_out.nbytes),
+                       self._first_reads_s / max(1, self.mine_in.nbytes))
 
     def _reduce(self, out: np.ndarray, own: np.ndarray, incoming: np.ndarray) -> None:
         """out = in_0 op in_1: rank 0's operand on the left, as on every path."""

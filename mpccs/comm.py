@@ -33,10 +33,11 @@ from .p2p_ops import RecvOp, SendOp
 from .errors import CommunicatorAborted, ConfigError, MismatchError, MpccsError, TransportError
 from .reduce import finish_avg
 from .telemetry import Telemetry
-from .transports import shm, shm_group
+from .transports import cacheflush, shm, shm_group
 from .transports.shm_group import GROUP_MAX_RANKS
 from .transports.plane import Plane
 from .two_step import MAX_HALF_BYTES as TWO_STEP_MAX_HALF_BYTES
+from .control.landing import LandingChoices
 from .control.split import PathModel
 from .windows import OUT, UP, Pacer
 
@@ -143,6 +144,9 @@ class Communicator:
         self._tune = _parse_tune(options.tune)
         if self._tune.multipath is False:
             self.options = options = dataclasses.replace(options, multipath=False, path_policy="up")
+        if options.landing_flush == "always" and not cacheflush.available():
+            raise ConfigError("landing_flush='always' (MPCCS_LANDING_FLUSH) needs an x86-64 CPU with CLFLUSHOPT "
+                              "and numba; use 'auto' or 'never'")
         self._planes = self._open_planes(options)
         pacer = None if options.out_cap_rate_Bps is None else Pacer(options.out_cap_rate_Bps, now=time.perf_counter())
         self._engine = Engine(self.rank, comm_id, self._planes, controller=self._make_controller(),
@@ -154,6 +158,8 @@ class Communicator:
         if self.size == 2 and boot.store is not None:
             self._engine.shm = shm.open_pair(boot.store, self.rank, options.rendezvous_timeout_s,
                                              willing=self._shm_willing(options), cma_willing=options.cma)
+        if self._engine.shm is not None and self._engine.shm.cma:
+            self._engine.landing = LandingChoices(options.landing_flush, can_flush=cacheflush.available())
         self._lane = Lane(self._engine.shm, self.rank) if self._engine.shm is not None else None
         self._group = None  # the group lane's segments (3 to 8 ranks on one host: transports/shm_group.py)
         if 2 < self.size <= GROUP_MAX_RANKS and boot.store is not None:
@@ -300,6 +306,17 @@ class Communicator:
         (MPCCS_PLANE_RATES), 'priors', or 'measured' (agreed by every rank)."""
         return {"source": self._plan_rates_source,
                 **{plane: model.rate_Bps for plane, model in self._prior_costs.items()}}
+
+    @property
+    def landing(self) -> Optional[dict]:
+        """This rank's choice for the landing of a 2-rank in-place all_reduce's second read
+        (control/landing.py): the mode, the size classes whose landings it flushes now
+        (each a power of two of bytes, the landing's: half the call), and how often the
+        choices changed; None where the pair does not read across processes."""
+        choices = self._engine.landing
+        if choices is None:
+            return None
+        return {"mode": choices.mode, "flushing": choices.flushing_classes, "switches": choices.switches}
 
     def _agree_plan_rates(self) -> None:
         """Every rank at the same call: every rank's measured rates, the agreed ones made of them

@@ -161,6 +161,19 @@ def parse_device_reduce(value) -> str:
     return text
 
 
+# Whether a 2-rank in-place all_reduce flushes the cache lines its second read
+# lands in (control/landing.py): 'auto' decides from the landings' times.
+LANDING_FLUSH_MODES = ("auto", "never", "always")
+
+
+def parse_landing_flush(value) -> str:
+    text = str(value).strip().lower()
+    text = {"1": "always", "0": "never", "true": "always", "false": "never"}.get(text, text)
+    if text not in LANDING_FLUSH_MODES:
+        raise ConfigError(f"cannot read {value!r}; use one of {', '.join(LANDING_FLUSH_MODES)}")
+    return text
+
+
 # Whether the planes read device (cupy) memory themselves (GPU-direct): the up
 # plane adds UCX's cuda_ipc and cuda_copy transports, the out plane cuda_copy
 # (UCX stages device chunks through host fragments for tcp), and device arrays
@@ -211,6 +224,7 @@ class Options:
     two_step: bool = True  # 2-rank all_reduce on 'up' alone: two messages each way, not the DAG (two_step.py)
     shm: bool = True  # ranks on one host: small calls and 2-rank blocks through shared-memory segments (shm.py, shm_group.py)
     cma: bool = True  # with the segments: 2-rank collectives read the peer's blocks across processes (cma_steps.py)
+    landing_flush: str = "auto"  # flush an in-place 2-rank all_reduce's landing lines first (LANDING_FLUSH_MODES)
     device_reduce: str = "auto"  # where reductions of device arrays are computed (DEVICE_REDUCE_MODES)
     gpu_direct: str = "auto"  # planes that read device memory (GPU_DIRECT_MODES)
     plane_timeout_s: float = 1.0  # heartbeat silence that marks a plane down
@@ -241,6 +255,7 @@ _ENV = {
     "two_step": ("MPCCS_TWO_STEP", parse_bool),
     "shm": ("MPCCS_SHM", parse_bool),
     "cma": ("MPCCS_CMA", parse_bool),
+    "landing_flush": ("MPCCS_LANDING_FLUSH", parse_landing_flush),
     "device_reduce": ("MPCCS_DEVICE_REDUCE", lambda v: parse_device_reduce(v)),
     "gpu_direct": ("MPCCS_GPU_DIRECT", lambda v: parse_gpu_direct(v)),
     "plane_timeout_s": ("MPCCS_PLANE_TIMEOUT", float),

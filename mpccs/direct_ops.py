@@ -625,7 +625,8 @@ class DirectShmAllReduceOp(SegmentMeetingOp):
         if not cls.reads(pair, send):
             return ShmSteps(pair, seq, engine.rank, send, out, op)
         return CmaSteps(pair, wire.attempt_seq(seq, 0), engine.rank, name, send, out, op,
-                        lambda n: engine.kept_scratch("direct_shm", n), _step_error(engine.rank, name), root)
+                        lambda n: engine.kept_scratch("direct_shm", n), _step_error(engine.rank, name), root,
+                        landing=engine.landing)
 
     @staticmethod
     def reads(pair, send: np.ndarray) -> bool:

@@ -492,6 +492,7 @@ def make_row(comm, case, ns, policy, times, shares, stats, wrong) -> dict:
         "split": [s.get("split") for s in stats.get("stages", [])][:4],
         "nranks": comm.size,
         "plan_rates": comm.plan_rates,  # what the tuner planned by at the point's end (stated, priors, measured)
+        "landing": comm.landing,  # rank 0's landing flush choice at the point's end (control/landing.py)
     }
 
 

@@ -19,8 +19,9 @@ import mpccs
 from collective_cases import dtype_of
 from mpccs import cma_steps
 from mpccs.direct_ops import DIRECT_CMA_FROM_BYTES
+from mpccs.control.landing import LandingChoice, LandingChoices, size_class_of
 from mpccs.errors import TransportError
-from mpccs.transports import cma, shm
+from mpccs.transports import cacheflush, cma, shm
 from mpccs.transports.shm import SEGMENT_BYTES, SLOT_POSTED, SLOT_SHAPE, SLOTS, ShmPair
 from rankpool import RankPool
 from test_two_step import BLOCK_CALLS, block_calls, inputs, reference
@@ -42,16 +43,16 @@ def _error(message, step):
     return TransportError(message, rank=0, plane="up", peer=1, op="test", stage=step)
 
 
-def _steps(pair, rank, collective, src, out, seq, op="sum", root=0):
+def _steps(pair, rank, collective, src, out, seq, op="sum", root=0, landing=None):
     return cma_steps.CmaSteps(pair, seq, rank, collective, src, out, op, lambda n: np.empty(n, np.uint8), _error,
-                              root)
+                              root, landing=landing)
 
 
-def _run_both(collective, srcs, outs, seq=1, op="sum", first=0, root=0):
+def _run_both(collective, srcs, outs, seq=1, op="sum", first=0, root=0, landings=(None, None)):
     """Both ranks' steps to the end, taking turns from rank ``first``."""
     pairs = _pairs()
     order = (first, 1 - first)
-    steps = {r: _steps(pairs[r], r, collective, srcs[r], outs[r], seq, op, root) for r in order}
+    steps = {r: _steps(pairs[r], r, collective, srcs[r], outs[r], seq, op, root, landings[r]) for r in order}
     for _ in range(10):
         for r in order:
             steps[r].advance()
@@ -191,6 +192,58 @@ def test_large_blocks_out_of_place_are_read_whole(monkeypatch):
     assert reads == [n * 4, n * 4], reads
 
 
+class RecordedLanding(LandingChoice):
+    """A landing choice that keeps what each landing told it, and the sizes it was asked for."""
+
+    def __init__(self, mode):
+        super().__init__(mode)
+        self.landings, self.asked = [], []
+
+    def for_bytes(self, nbytes):  # (standing in for the LandingChoices of every size)
+        self.asked.append(nbytes)
+        return self
+
+    def record(self, flushed, landing_s_per_byte, reference_s_per_byte):
+        self.landings.append((flushed, landing_s_per_byte, reference_s_per_byte))
+        super().record(flushed, landing_s_per_byte, reference_s_per_byte)
+
+
+@pytest.mark.skipif(not cacheflush.available(), reason="needs an x86-64 CPU with CLFLUSHOPT")
+@pytest.mark.parametrize("mode", ["always", "never"])
+def test_an_in_place_all_reduce_flushes_where_its_second_read_lands(monkeypatch, mode):
+    """In place, the second read's region (the peer's half, in this rank's buffer) is
+    flushed first where the choice says so, and only it; the landing and the first
+    reads are timed for the choice; the result is the same bits either way."""
+    flushed = []
+    real_flush = cacheflush.flush
+    monkeypatch.setattr(cacheflush, "flush", lambda region: (flushed.append((region.ctypes.data, region.nbytes)),
+                                                            real_flush(region)))
+    n = 100_001
+    ins = _operands(n)
+    srcs = [x.copy() for x in ins]
+    landings = (RecordedLanding(mode), RecordedLanding(mode))
+    _run_both("all_reduce", srcs, srcs, landings=landings)
+    for r in range(2):
+        assert srcs[r].tobytes() == (ins[0] + ins[1]).tobytes()
+        (was_flushed, landing_s, reference_s), = landings[r].landings
+        assert was_flushed == (mode == "always") and landing_s > 0 and reference_s > 0
+    half = n // 2  # rank 0 owns the first half: it lands the second, rank 1 the first
+    assert landings[0].asked == [srcs[0][half:].nbytes] and landings[1].asked == [srcs[1][:half].nbytes]
+    regions = {(srcs[0][half:].ctypes.data, srcs[0][half:].nbytes), (srcs[1][:half].ctypes.data, srcs[1][:half].nbytes)}
+    assert set(flushed) == (regions if mode == "always" else set())
+
+
+def test_only_an_in_place_all_reduce_asks_the_landing_choice():
+    """Out of place the second read lands where the peer read nothing; the other collectives have one read."""
+    n = 10_001
+    ins = _operands(2 * n)
+    landings = (RecordedLanding("always"), RecordedLanding("always"))
+    _run_both("all_reduce", ins, [np.empty(2 * n, np.float32) for _ in range(2)], landings=landings)
+    _run_both("reduce_scatter", [x.copy() for x in ins], [x[r * n:(r + 1) * n] for r, x in enumerate(ins)],
+              landings=landings)
+    assert landings[0].landings == [] and landings[1].landings == []
+
+
 def test_a_stale_slot_does_not_count():
     """seq and seq + SLOTS share a slot: the peer's older operation there is not this one."""
     pairs = _pairs()
@@ -320,6 +373,31 @@ def direct_reads(comm, policy):
             assert np.array_equal(x, inputs(comm.rank, n, dtype)), "the input changed out of place"
         out.append((comm.last_stats()["algorithm"], got.tobytes() == reference(n, dtype, op).tobytes()))
     return out
+
+
+def flushed_landings(comm):
+    """The in-place CALLS with every landing flushed, then as chosen by default."""
+    saved = comm._engine.landing
+    comm._engine.landing = LandingChoices("always")
+    try:
+        exact = []
+        for nbytes, dtype, op, in_place in CALLS:
+            n = nbytes // dtype_of(dtype).itemsize
+            x = inputs(comm.rank, n, dtype)
+            comm.all_reduce(x, op=op)
+            exact.append(x.tobytes() == reference(n, dtype, op).tobytes())
+        return saved.mode, comm.landing, exact
+    finally:
+        comm._engine.landing = saved
+
+
+@pytest.mark.skipif(not cacheflush.available(), reason="needs an x86-64 CPU with CLFLUSHOPT")
+def test_flushed_landings_keep_the_in_place_results_exact(pool):
+    for default_mode, landing, exact in pool.run(flushed_landings):
+        assert default_mode == "auto"
+        classes = sorted({size_class_of(nbytes // 2) for nbytes, _, _, _ in CALLS})  # each call's landing: a half
+        assert landing == {"mode": "always", "flushing": classes, "switches": 0}
+        assert exact == [True] * len(CALLS)
 
 
 @pytest.mark.parametrize("policy", ["up", "adaptive"])
