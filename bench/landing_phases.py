@@ -1,0 +1,151 @@
+"""Inside one launch: a 2-rank all_reduce's landing and its other read, plain and flushed, interleaved.
+
+    python bench/landing_phases.py --out bench/results/landing_s49 --launches 10              # in place, ~1 min
+    python bench/landing_phases.py --out bench/results/landing_s49_out --call out --launches 10
+
+Why (docs/design.md, "The landing of an in-place all_reduce"): whether a landing
+pays for its lines' return from the peer's cache depends on the launch, so the
+two ways are compared within each launch, call by call: even calls land plain,
+odd ones flushed (every rank alike: the communicator's landing choices set to
+'never' or 'always' before each call). Per call, rank 0 records the call's time
+and what its landing choice was told, per byte: the landing's time (with its
+flushes; in place the second read, out of place the first reads, into the
+rank's own block of the same output each call) and the other read's (the
+reference). Per launch, the medians per way; the launch counts as slow where
+its plain landings took over the library's slow_ratio times the reference. Writes phases.json and
+phases.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from stats import host_text  # noqa: E402
+
+from mpccs.control.landing import LandingConfig  # noqa: E402
+
+BIN = os.path.dirname(sys.executable)
+
+
+def rank_main(nbytes: int, calls: int, in_place: bool, out: str) -> None:
+    """One rank of a launch (mpccs-run runs this file with --rank-main)."""
+    import mpccs
+    from mpccs.control import landing
+
+    told = []
+
+    class Told(landing.LandingChoice):
+        def record(self, flushed, landing_s_per_byte, reference_s_per_byte):
+            told.append((landing_s_per_byte, reference_s_per_byte))
+            super().record(flushed, landing_s_per_byte, reference_s_per_byte)
+
+    comm = mpccs.init()
+    ways = {}
+    for way, mode in (("plain", "never"), ("flushed", "always")):
+        ways[way] = landing.LandingChoices(mode)
+        ways[way].for_landing = lambda kind, n, mode=mode: Told(mode)
+    original = (np.arange(nbytes // 4) % 13).astype(np.float32)
+    x = original.copy()
+    result = x if in_place else np.empty_like(x)
+    rows = []
+    for k in range(calls):
+        way = ("plain", "flushed")[k % 2]
+        comm._engine.landing = ways[way]
+        x[...] = original  # the input put back outside the timed call, as mpccs-perf does
+        comm.barrier()
+        start = time.perf_counter()
+        comm.all_reduce(x) if in_place else comm.all_reduce(x, result)
+        rows.append((way, time.perf_counter() - start, *told[-1]))
+    assert np.array_equal(result, 2 * original), "wrong result"
+    if comm.rank == 0:
+        with open(out, "w") as fh:
+            json.dump(rows, fh)
+    comm.close()
+
+
+def summary(rows: list, nbytes: int, warmup: int) -> dict:
+    half = nbytes // 2
+    by_way = {}
+    for way in ("plain", "flushed"):
+        mine = [r for r in rows[warmup:] if r[0] == way]
+        by_way[way] = {"call_us": float(np.median([r[1] for r in mine]) * 1e6),
+                       "landing_us": float(np.median([r[2] for r in mine]) * half * 1e6),
+                       "reference_us": float(np.median([r[3] for r in mine]) * half * 1e6)}
+    plain = by_way["plain"]
+    return {**by_way, "slow": plain["landing_us"] > LandingConfig().slow_ratio * plain["reference_us"]}
+
+
+def report(launches: list[dict], meta: dict) -> str:
+    call = {"in": "in place", "out": "out of place"}[meta["call"]]
+    landing = {"in": "the second read, of half the buffer, into the peer's half",
+               "out": "the first reads, of half the buffer, into this rank's own half of the output"}[meta["call"]]
+    lines = [f"# {call[0].upper()}{call[1:]}: plain and flushed landings within each launch", "",
+             f"{meta['launches']} launches, 2 ranks, default planes, float32 all_reduce {call} of "
+             f"{meta['nbytes'] >> 20} MiB, {meta['calls']} calls each (the first {meta['warmup']} left out), plain "
+             f"and flushed alternating; {meta['host']}; measured {meta['time']}.", "",
+             f"Rank 0's medians per launch: the call, the landing ({landing}, with its flushes where flushed) and "
+             "the reference (the other read: the same bytes, where the peer has not read). A launch is slow where "
+             f"its plain landings took over {LandingConfig().slow_ratio} times the reference (the library's "
+             "`slow_ratio`).", "",
+             "| launch | slow | call plain (us) | call flushed (us) | flushed / plain | landing plain | "
+             "landing flushed | reference |", "|---:|:---:|---:|---:|---:|---:|---:|---:|"]
+    for k, s in enumerate(launches):
+        p, f = s["plain"], s["flushed"]
+        lines.append(f"| {k + 1} | {'yes' if s['slow'] else 'no'} | {p['call_us']:.0f} | {f['call_us']:.0f} | "
+                     f"{f['call_us'] / p['call_us']:.2f} | {p['landing_us']:.0f} | {f['landing_us']:.0f} | "
+                     f"{p['reference_us']:.0f} |")
+    for state in (True, False):
+        group = [s for s in launches if s["slow"] == state]
+        if group:
+            ratio = [s["flushed"]["call_us"] / s["plain"]["call_us"] for s in group]
+            lines.append("")
+            lines.append(f"{'Slow' if state else 'Fast'} launches ({len(group)}): flushed / plain call time, "
+                         f"median {np.median(ratio):.2f} (range {min(ratio):.2f}-{max(ratio):.2f}).")
+    return "\n".join(lines + [""])
+
+
+def main() -> None:
+    if "--rank-main" in sys.argv:
+        nbytes, calls, call, out = sys.argv[2:6]
+        rank_main(int(nbytes), int(calls), call == "in", out)
+        return
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--launches", type=int, default=10)
+    ap.add_argument("--bytes", type=int, default=4 << 20)
+    ap.add_argument("--calls", type=int, default=120)
+    ap.add_argument("--call", choices=("in", "out"), default="in", help="in place (default) or out of place")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    warmup = 20
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    launches = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in range(args.launches):
+            out = f"{tmp}/rows{k}.json"
+            subprocess.run([f"{BIN}/mpccs-run", "-n", "2", "--no-prefix", sys.executable, __file__, "--rank-main",
+                            str(args.bytes), str(args.calls), args.call, out], check=True, env=env, timeout=300,
+                           stdout=subprocess.DEVNULL)
+            with open(out) as fh:
+                launches.append(summary(json.load(fh), args.bytes, warmup))
+            print(f"# progress: {k + 1}/{args.launches} launches", flush=True)
+    meta = {"launches": args.launches, "nbytes": args.bytes, "calls": args.calls, "call": args.call, "warmup": warmup,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": host_text()}
+    with open(os.path.join(args.out, "phases.json"), "w") as fh:
+        json.dump({"meta": meta, "launches": launches}, fh, indent=1)
+    text = report(launches, meta)
+    with open(os.path.join(args.out, "phases.md"), "w") as fh:
+        fh.write(text)
+    print(text, flush=True)
+
+
+if __name__ == "__main__":
+    main()
