@@ -1,18 +1,15 @@
-"""2-rank all_reduce with the landing's lines flushed as measured ('auto') against never, and MPICH.
+"""In-place 2-rank all_reduce with the landing's lines flushed as measured ('auto') against never, and MPICH.
 
-    python bench/landing_ab.py --out bench/results/landing_s49 --rounds 20              # in place, ~3 min
-    python bench/landing_ab.py --out bench/results/landing_s49_out --call out --rounds 20   # out of place
-    python bench/landing_ab.py --out /tmp/la --rounds 2                                  # smoke
+    python bench/landing_ab.py --out bench/results/landing_s49 --rounds 20   # ~3 min
+    python bench/landing_ab.py --out /tmp/la --rounds 2                       # smoke
 
 What it checks (control/landing.py, transports/cacheflush.py): in some launches
 on this VM the second read of an in-place all_reduce on the direct path, which
 lands in lines the peer read a moment before, runs 6x slower than in the
 others; 'auto' flushes those lines first in such launches only. The state
-comes and goes between launches, so each round launches `mpccs-perf` with
-MPCCS_LANDING_FLUSH=never, then =auto, then MPICH (bench/peers.py mpi), each in
-place (--in-place) or each out of place (--call out: there the first read
-lands in the rank's own block of the output, which the peer read in the
-previous call), the order rotating by round. The report gives
+comes and goes between launches, so each round launches `mpccs-perf
+--in-place` with MPCCS_LANDING_FLUSH=never, then =auto, then MPICH in place
+(bench/peers.py mpi --in-place), the order rotating by round. The report gives
 each kind's times over the launches, the rounds' ratios, and the times by the
 launch's state (a 'never' launch over twice the fastest one; an 'auto' launch
 that flushed, from mpccs-perf's `landing` field). Writes rounds.json and
@@ -35,14 +32,12 @@ from mpccs.control.landing import size_class_of  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
 KINDS = ("never", "auto", "mpich")
-CALLS = {"in": "in place", "out": "out of place"}
-LANDING_KIND = {"in": "in_place", "out": "out_of_place"}  # mpccs-perf's `landing` field, per kind of call
 
 
-def one_round(k: int, lo: str, hi: str, iters: str, call: str) -> dict:
+def one_round(k: int, lo: str, hi: str, iters: str) -> dict:
     """One launch of each kind, in an order that rotates by round: {kind: {size: time_us}}."""
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    sizes = ["-b", lo, "-e", hi, "-f", "2", "-n", iters, "-w", "5", *(["--in-place"] if call == "in" else [])]
+    sizes = ["-b", lo, "-e", hi, "-f", "2", "-n", iters, "-w", "5", "--in-place"]
     perf = [f"{BIN}/mpccs-run", "-n", "2", "--no-prefix", f"{BIN}/mpccs-perf", "all_reduce", *sizes, "--quiet"]
     mpi = [f"{BIN}/mpiexec", "-n", "2", sys.executable, "bench/peers.py", "mpi", *sizes]
     result = {}
@@ -54,7 +49,7 @@ def one_round(k: int, lo: str, hi: str, iters: str, call: str) -> dict:
         result[kind] = {r["size"]: r["time_us"] for r in rows}
         if kind == "auto":  # whether rank 0 flushed at each size's end (its landing: half the call)
             result["auto_flushing"] = {r["size"]: size_class_of(r["size"] // 2) in (r.get("landing") or {}).get(
-                "flushing", {}).get(LANDING_KIND[call], []) for r in rows}
+                "flushing", []) for r in rows}
     return result
 
 
@@ -63,9 +58,8 @@ def report(rounds: list[dict], meta: dict) -> str:
     first = sizes[0]
     fastest = min(r["never"][first] for r in rounds)
     never_slow = [r["never"][first] > 2 * fastest for r in rounds]
-    call = CALLS[meta["call"]]
-    lines = [f"# {call[0].upper()}{call[1:]}: the landing flushed as measured ('auto') against never, and MPICH", "",
-             f"{meta['rounds']} rounds, 2 ranks, default planes, float32 all_reduce {call}, {meta['iters']} "
+    lines = ["# In place: the landing flushed as measured ('auto') against never, and MPICH", "",
+             f"{meta['rounds']} rounds, 2 ranks, default planes, float32 all_reduce in place, {meta['iters']} "
              f"iterations per point, one launch of each kind per round in rotating order; {meta['host']}; measured "
              f"{meta['time']}.", "",
              "Per size: each kind's median time over its launches [quartiles], then the median of the rounds' "
@@ -113,14 +107,13 @@ def main() -> None:
     ap.add_argument("--min", default="4M")
     ap.add_argument("--max", default="16M")
     ap.add_argument("--iters", default="40")
-    ap.add_argument("--call", choices=sorted(CALLS), default="in", help="in place (default) or out of place")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rounds = []
     for k in range(args.rounds):
-        rounds.append(one_round(k, args.min, args.max, args.iters, args.call))
+        rounds.append(one_round(k, args.min, args.max, args.iters))
         print(f"# progress: {k + 1}/{args.rounds} rounds", flush=True)
-    meta = {"rounds": args.rounds, "iters": args.iters, "call": args.call, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    meta = {"rounds": args.rounds, "iters": args.iters, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "host": host_text()}
     with open(os.path.join(args.out, "rounds.json"), "w") as fh:
         json.dump({"meta": meta, "rounds": [{kind: {str(s): t for s, t in times.items()} for kind, times in r.items()}

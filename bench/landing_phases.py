@@ -1,17 +1,14 @@
-"""Inside one launch: a 2-rank all_reduce's landing and its other read, plain and flushed, interleaved.
+"""Inside one launch: an in-place 2-rank all_reduce's landing and its first reads, plain and flushed, interleaved.
 
-    python bench/landing_phases.py --out bench/results/landing_s49 --launches 10              # in place, ~1 min
-    python bench/landing_phases.py --out bench/results/landing_s49_out --call out --launches 10
+    python bench/landing_phases.py --out bench/results/landing_s49 --launches 10   # ~1 min
 
 Why (docs/design.md, "The landing of an in-place all_reduce"): whether a landing
 pays for its lines' return from the peer's cache depends on the launch, so the
 two ways are compared within each launch, call by call: even calls land plain,
 odd ones flushed (every rank alike: the communicator's landing choices set to
 'never' or 'always' before each call). Per call, rank 0 records the call's time
-and what its landing choice was told, per byte: the landing's time (with its
-flushes; in place the second read, out of place the first reads, into the
-rank's own block of the same output each call) and the other read's (the
-reference). Per launch, the medians per way; the launch counts as slow where
+and what its landing choice was told, per byte: the landing's time (the
+second read, with its flush) and the first reads' (the reference). Per launch, the medians per way; the launch counts as slow where
 its plain landings took over the library's slow_ratio times the reference. Writes phases.json and
 phases.md.
 """
@@ -35,7 +32,7 @@ from mpccs.control.landing import LandingConfig  # noqa: E402
 BIN = os.path.dirname(sys.executable)
 
 
-def rank_main(nbytes: int, calls: int, in_place: bool, out: str) -> None:
+def rank_main(nbytes: int, calls: int, out: str) -> None:
     """One rank of a launch (mpccs-run runs this file with --rank-main)."""
     import mpccs
     from mpccs.control import landing
@@ -51,10 +48,9 @@ def rank_main(nbytes: int, calls: int, in_place: bool, out: str) -> None:
     ways = {}
     for way, mode in (("plain", "never"), ("flushed", "always")):
         ways[way] = landing.LandingChoices(mode)
-        ways[way].for_landing = lambda kind, n, mode=mode: Told(mode)
+        ways[way].for_bytes = lambda n, mode=mode: Told(mode)
     original = (np.arange(nbytes // 4) % 13).astype(np.float32)
     x = original.copy()
-    result = x if in_place else np.empty_like(x)
     rows = []
     for k in range(calls):
         way = ("plain", "flushed")[k % 2]
@@ -62,9 +58,9 @@ def rank_main(nbytes: int, calls: int, in_place: bool, out: str) -> None:
         x[...] = original  # the input put back outside the timed call, as mpccs-perf does
         comm.barrier()
         start = time.perf_counter()
-        comm.all_reduce(x) if in_place else comm.all_reduce(x, result)
+        comm.all_reduce(x)
         rows.append((way, time.perf_counter() - start, *told[-1]))
-    assert np.array_equal(result, 2 * original), "wrong result"
+    assert np.array_equal(x, 2 * original), "wrong result"
     if comm.rank == 0:
         with open(out, "w") as fh:
             json.dump(rows, fh)
@@ -84,15 +80,13 @@ def summary(rows: list, nbytes: int, warmup: int) -> dict:
 
 
 def report(launches: list[dict], meta: dict) -> str:
-    call = {"in": "in place", "out": "out of place"}[meta["call"]]
-    landing = {"in": "the second read, of half the buffer, into the peer's half",
-               "out": "the first reads, of half the buffer, into this rank's own half of the output"}[meta["call"]]
-    lines = [f"# {call[0].upper()}{call[1:]}: plain and flushed landings within each launch", "",
-             f"{meta['launches']} launches, 2 ranks, default planes, float32 all_reduce {call} of "
+    lines = ["# In place: plain and flushed landings within each launch", "",
+             f"{meta['launches']} launches, 2 ranks, default planes, float32 all_reduce in place of "
              f"{meta['nbytes'] >> 20} MiB, {meta['calls']} calls each (the first {meta['warmup']} left out), plain "
              f"and flushed alternating; {meta['host']}; measured {meta['time']}.", "",
-             f"Rank 0's medians per launch: the call, the landing ({landing}, with its flushes where flushed) and "
-             "the reference (the other read: the same bytes, where the peer has not read). A launch is slow where "
+             "Rank 0's medians per launch: the call, the landing (the second read, of half the buffer, into the "
+             "peer's half, with its flush where flushed) and the reference (the first reads: the same bytes, into "
+             "the kept buffer, which the peer never reads). A launch is slow where "
              f"its plain landings took over {LandingConfig().slow_ratio} times the reference (the library's "
              "`slow_ratio`).", "",
              "| launch | slow | call plain (us) | call flushed (us) | flushed / plain | landing plain | "
@@ -114,15 +108,14 @@ def report(launches: list[dict], meta: dict) -> str:
 
 def main() -> None:
     if "--rank-main" in sys.argv:
-        nbytes, calls, call, out = sys.argv[2:6]
-        rank_main(int(nbytes), int(calls), call == "in", out)
+        nbytes, calls, out = sys.argv[2:5]
+        rank_main(int(nbytes), int(calls), out)
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--launches", type=int, default=10)
     ap.add_argument("--bytes", type=int, default=4 << 20)
     ap.add_argument("--calls", type=int, default=120)
-    ap.add_argument("--call", choices=("in", "out"), default="in", help="in place (default) or out of place")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     warmup = 20
@@ -132,12 +125,12 @@ def main() -> None:
         for k in range(args.launches):
             out = f"{tmp}/rows{k}.json"
             subprocess.run([f"{BIN}/mpccs-run", "-n", "2", "--no-prefix", sys.executable, __file__, "--rank-main",
-                            str(args.bytes), str(args.calls), args.call, out], check=True, env=env, timeout=300,
+                            str(args.bytes), str(args.calls), out], check=True, env=env, timeout=300,
                            stdout=subprocess.DEVNULL)
             with open(out) as fh:
                 launches.append(summary(json.load(fh), args.bytes, warmup))
             print(f"# progress: {k + 1}/{args.launches} launches", flush=True)
-    meta = {"launches": args.launches, "nbytes": args.bytes, "calls": args.calls, "call": args.call, "warmup": warmup,
+    meta = {"launches": args.launches, "nbytes": args.bytes, "calls": args.calls, "warmup": warmup,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": host_text()}
     with open(os.path.join(args.out, "phases.json"), "w") as fh:
         json.dump({"meta": meta, "launches": launches}, fh, indent=1)

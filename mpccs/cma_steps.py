@@ -59,7 +59,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from .errors import TransportError
-from .control.landing import IN_PLACE, OUT_OF_PLACE, LandingChoices
+from .control.landing import LandingChoices
 from .reduce import reduce_to
 from .transports import cacheflush, cma
 from .transports.shm import SLOT_DONE, SLOT_OUT, SLOT_POSTED, SLOT_REDUCED, SLOT_SHAPE, SLOT_SRC, SLOTS
@@ -87,9 +87,9 @@ class CmaSteps:
     """One 2-rank call's steps (module docstring), posted at once; advance() until
     ``done``. ``scratch(nbytes)``: where an in-place block lands before it is
     reduced; ``error(message, step)`` makes the exception a failed step raises
-    (naming rank, plane, peer, step). ``landing``: whether an all_reduce
-    flushes the lines its read lands in where the peer has read, per kind
-    (in place, out of place) and size of landing (control/landing.py)."""
+    (naming rank, plane, peer, step). ``landing``: whether an in-place
+    all_reduce flushes the lines its second read lands in, per size of landing
+    (control/landing.py)."""
 
     def __init__(self, pair, seq: int, rank: int, collective: str, src: np.ndarray, out: np.ndarray, op: str,
                  scratch: Callable[[int], np.ndarray], error: Callable[[str, str], TransportError], root: int = 0,
@@ -107,18 +107,11 @@ class CmaSteps:
         self.shape = SHAPE_CODES[collective] << 56 | root << 48 | src.nbytes
         self.scratch, self.error = scratch, error
         self.peer_out = 0
-        # The all_reduce read that lands where the peer has read (_read_and_reduce, _land_result): in place
-        # the second, in the peer's block (it read this rank's operand there); out of place the first, in
-        # this rank's own block of the output (the peer read it in the previous call, the same output).
-        self.in_place = np.may_share_memory(src, out)
-        self.landing = None
-        if landing is not None and collective == "all_reduce":
-            kind, lands = (IN_PLACE, self.theirs_out) if self.in_place else (OUT_OF_PLACE, self.mine_out)
-            self.landing = landing.for_landing(kind, lands.nbytes)
-        self.flushes = self.landing is not None and self.landing.flush_next()
-        if self.flushes:
-            cacheflush.prepare()  # (numba's first load, once, before anything is timed)
-        self._first_reads_s = 0.0  # the first step's reads (with their flushes)
+        # In place, the peer read this rank's operand of its block from where its result lands (_land_result).
+        self.landing = (landing.for_bytes(self.theirs_out.nbytes)
+                        if landing is not None and collective == "all_reduce" and np.may_share_memory(src, out)
+                        else None)
+        self._first_reads_s = 0.0  # the first step's reads (into the kept buffer): the landing's reference
         own = pair.own_slots[self.slot]
         own[SLOT_SRC], own[SLOT_OUT], own[SLOT_SHAPE] = src.ctypes.data, out.ctypes.data, self.shape
         pair.post_slot(self.slot, SLOT_POSTED, seq)
@@ -198,13 +191,11 @@ class CmaSteps:
         scratch = self.scratch(min(mine.nbytes, step * itemsize)).view(mine.dtype) if in_place else None
         # Each part's address from one base (cma.read_at), not from numpy per part.
         land_at, stride = (scratch.ctypes.data, 0) if in_place else (dest.ctypes.data, step * itemsize)
-        timed, flushes = self.landing is not None, self.flushes and not in_place
+        timed = self.landing is not None
         for k, lo in enumerate(range(0, mine.size, step)):
             part = dest[lo:lo + step]
             incoming = part if scratch is None else scratch[:part.size]
             start = time.perf_counter() if timed else 0.0
-            if flushes:  # each part just before its read lands in it
-                cacheflush.flush(part)
             self._read_at(land_at + k * stride, part.nbytes, address + lo * itemsize, SLOT_POSTED)
             if timed:
                 self._first_reads_s += time.perf_counter() - start
@@ -212,21 +203,21 @@ class CmaSteps:
 
     def _land_result(self) -> None:
         """Read the peer's block of an all_reduce's output into this rank's. In place,
-        flush the lines it lands in first where ``landing`` says so. Then tell
-        ``landing`` the time per byte of the read that lands where the peer has
-        read (with its flushes) and of the other (in place: the first reads, into
-        the kept buffer; out of place: this one)."""
+        flush the lines it lands in first where ``landing`` says so, and tell it how
+        long the landing took per byte against the first step's reads."""
         address, landing = self.peer_out + self.out_offset, self.landing
         if landing is None:
             self._read(self.theirs_out, address, SLOT_REDUCED)
             return
+        flushes = landing.flush_next()
+        if flushes:
+            cacheflush.prepare()  # (numba's first load, not timed)
         start = time.perf_counter()
-        if self.flushes and self.in_place:
+        if flushes:
             cacheflush.flush(self.theirs_out)
         self._read(self.theirs_out, address, SLOT_REDUCED)
-        second = (time.perf_counter() - start) / max(1, self.theirs_out.nbytes)
-        first = self._first_reads_s / max(1, self.mine_in.nbytes)
-        landing.record(self.flushes, *((second, first) if self.in_place else (first, second)))
+        landing.record(flushes, (time.perf_counter() - start) / max(1, self.theirs_out.nbytes),
+                       self._first_reads_s / max(1, self.mine_in.nbytes))
 
     def _reduce(self, out: np.ndarray, own: np.ndarray, incoming: np.ndarray) -> None:
         """out = in_0 op in_1: rank 0's operand on the left, as on every path."""

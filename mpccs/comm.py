@@ -309,11 +309,10 @@ class Communicator:
 
     @property
     def landing(self) -> Optional[dict]:
-        """This rank's choices for the reads of a 2-rank all_reduce that land where the
-        peer has read (control/landing.py): the mode, per kind ('in_place', 'out_of_place')
-        the size classes whose landings it flushes now (each a power of two of bytes, the
-        landing's: half the call), and how often the choices changed; None where the pair
-        does not read across processes."""
+        """This rank's choice for the landing of a 2-rank in-place all_reduce's second read
+        (control/landing.py): the mode, the size classes whose landings it flushes now
+        (each a power of two of bytes, the landing's: half the call), and how often the
+        choices changed; None where the pair does not read across processes."""
         choices = self._engine.landing
         if choices is None:
             return None

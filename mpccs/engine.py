@@ -70,7 +70,7 @@ class Engine:
         self._direct_pool: dict[tuple, list] = {}  # DirectBuffers by DirectBuffers.key
         self._kept_scratch: dict[str, np.ndarray] = {}  # see kept_scratch()
         self.shm = None  # transports.shm.ShmPair of a 2-rank job on one host (the communicator opens it)
-        self.landing = None  # control.landing.LandingChoices of the pair's all_reduce reads (the communicator's)
+        self.landing = None  # control.landing.LandingChoices of the pair's in-place all_reduce (the communicator's)
         self._p2p_inboxes: list[np.ndarray] = []  # see p2p_inbox()
         self.shm_holder: Optional[Operation] = None  # the operation whose steps use the segments now
         self.lane_unposted: list[Operation] = []  # lane operations built but not posted yet, in order (lane_ops)

@@ -199,8 +199,8 @@ class RecordedLanding(LandingChoice):
         super().__init__(mode)
         self.landings, self.asked = [], []
 
-    def for_landing(self, kind, nbytes):  # (standing in for the LandingChoices of every kind and size)
-        self.asked.append((kind, nbytes))
+    def for_bytes(self, nbytes):  # (standing in for the LandingChoices of every size)
+        self.asked.append(nbytes)
         return self
 
     def record(self, flushed, landing_s_per_byte, reference_s_per_byte):
@@ -228,47 +228,20 @@ def test_an_in_place_all_reduce_flushes_where_its_second_read_lands(monkeypatch,
         (was_flushed, landing_s, reference_s), = landings[r].landings
         assert was_flushed == (mode == "always") and landing_s > 0 and reference_s > 0
     half = n // 2  # rank 0 owns the first half: it lands the second, rank 1 the first
-    assert landings[0].asked == [("in_place", srcs[0][half:].nbytes)]
-    assert landings[1].asked == [("in_place", srcs[1][:half].nbytes)]
+    assert landings[0].asked == [srcs[0][half:].nbytes] and landings[1].asked == [srcs[1][:half].nbytes]
     regions = {(srcs[0][half:].ctypes.data, srcs[0][half:].nbytes), (srcs[1][:half].ctypes.data, srcs[1][:half].nbytes)}
     assert set(flushed) == (regions if mode == "always" else set())
 
 
-@pytest.mark.skipif(not cacheflush.available(), reason="needs an x86-64 CPU with CLFLUSHOPT")
-def test_out_of_place_the_first_reads_flush_each_part_they_land_in(monkeypatch):
-    """Out of place the first reads land in this rank's own block of the output (where
-    the peer read the previous call's result): each part flushed just before its read,
-    in order, and nothing else; the same bits as without."""
-    monkeypatch.setattr(cma_steps, "READ_PART_BYTES", 4096)
-    flushed = []
-    real_flush = cacheflush.flush
-    monkeypatch.setattr(cacheflush, "flush", lambda region: (flushed.append((region.ctypes.data, region.nbytes)),
-                                                            real_flush(region)))
-    n = 10_001  # 5000 / 5001 elements a half: parts of 1024 elements and a short one
-    ins = _operands(n)
-    outs = [np.full(n, np.nan, np.float32) for _ in range(2)]
-    landings = (RecordedLanding("always"), RecordedLanding("always"))
-    _run_both("all_reduce", ins, outs, landings=landings)
-    half = n // 2
-    for r in range(2):
-        assert outs[r].tobytes() == (ins[0] + ins[1]).tobytes()
-        (was_flushed, first_s, second_s), = landings[r].landings
-        assert was_flushed and first_s > 0 and second_s > 0
-    own = (outs[0][:half], outs[1][half:])  # each rank's own block, where its first reads land
-    assert landings[0].asked == [("out_of_place", own[0].nbytes)] and landings[1].asked == [("out_of_place", own[1].nbytes)]
-    expected = [(block[lo:lo + 1024].ctypes.data, block[lo:lo + 1024].nbytes)
-                for block in own for lo in range(0, block.size, 1024)]
-    assert flushed == expected
-
-
-def test_only_an_all_reduce_asks_the_landing_choice():
-    """A reduce_scatter's one read lands in an output the peer never reads."""
+def test_only_an_in_place_all_reduce_asks_the_landing_choice():
+    """Out of place the second read lands where the peer read nothing; the other collectives have one read."""
     n = 10_001
     ins = _operands(2 * n)
     landings = (RecordedLanding("always"), RecordedLanding("always"))
+    _run_both("all_reduce", ins, [np.empty(2 * n, np.float32) for _ in range(2)], landings=landings)
     _run_both("reduce_scatter", [x.copy() for x in ins], [x[r * n:(r + 1) * n] for r, x in enumerate(ins)],
               landings=landings)
-    assert landings[0].asked == [] and landings[1].asked == []
+    assert landings[0].landings == [] and landings[1].landings == []
 
 
 def test_a_stale_slot_does_not_count():
@@ -403,32 +376,28 @@ def direct_reads(comm, policy):
 
 
 def flushed_landings(comm):
-    """The CALLS in place and out of place with every landing flushed."""
+    """The in-place CALLS with every landing flushed, then as chosen by default."""
     saved = comm._engine.landing
     comm._engine.landing = LandingChoices("always")
     try:
         exact = []
-        for nbytes, dtype, op, _ in CALLS:
+        for nbytes, dtype, op, in_place in CALLS:
             n = nbytes // dtype_of(dtype).itemsize
             x = inputs(comm.rank, n, dtype)
-            out = np.full_like(x, 7)
-            comm.all_reduce(x, out, op=op)
             comm.all_reduce(x, op=op)
-            expected = reference(n, dtype, op).tobytes()
-            exact.append((x.tobytes() == expected, out.tobytes() == expected))
+            exact.append(x.tobytes() == reference(n, dtype, op).tobytes())
         return saved.mode, comm.landing, exact
     finally:
         comm._engine.landing = saved
 
 
 @pytest.mark.skipif(not cacheflush.available(), reason="needs an x86-64 CPU with CLFLUSHOPT")
-def test_flushed_landings_keep_the_results_exact(pool):
+def test_flushed_landings_keep_the_in_place_results_exact(pool):
     for default_mode, landing, exact in pool.run(flushed_landings):
         assert default_mode == "auto"
         classes = sorted({size_class_of(nbytes // 2) for nbytes, _, _, _ in CALLS})  # each call's landing: a half
-        assert landing == {"mode": "always", "flushing": {"in_place": classes, "out_of_place": classes},
-                           "switches": 0}
-        assert exact == [(True, True)] * len(CALLS)
+        assert landing == {"mode": "always", "flushing": classes, "switches": 0}
+        assert exact == [True] * len(CALLS)
 
 
 @pytest.mark.parametrize("policy", ["up", "adaptive"])

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from mpccs.config import load_options
-from mpccs.control.landing import IN_PLACE, OUT_OF_PLACE, LandingChoice, LandingChoices, LandingConfig, size_class_of
+from mpccs.control.landing import LandingChoice, LandingChoices, LandingConfig, size_class_of
 from mpccs.errors import ConfigError
 from mpccs.transports import cacheflush
 
@@ -93,22 +93,19 @@ def test_an_unknown_mode_is_refused():
         LandingChoices("sometimes")
 
 
-def test_each_kind_and_size_class_of_landing_chooses_alone():
-    """Slow 2 MiB landings in place make their class flush; 8 MiB ones, plain at
-    1.5x the reference (a landing that does not fit the caches pays little for the
-    lines' return), and out-of-place ones of 2 MiB that are fast, keep theirs plain."""
+def test_each_size_class_of_landing_chooses_alone():
+    """Slow 2 MiB landings make their class flush; 8 MiB ones, plain at twice the
+    reference (a landing that does not fit the caches pays little for the lines'
+    return), keep theirs plain."""
     choices = LandingChoices("auto")
     for _ in range(20):
-        for kind, nbytes, plain in ((IN_PLACE, 2 << 20, SLOW), (IN_PLACE, 8 << 20, 1.5 * REF),
-                                    (IN_PLACE, (2 << 20) + 4, SLOW), (OUT_OF_PLACE, 2 << 20, FAST)):
-            choice = choices.for_landing(kind, nbytes)
+        for nbytes, plain in ((2 << 20, SLOW), (8 << 20, 1.5 * REF), ((2 << 20) + 4, SLOW)):
+            choice = choices.for_bytes(nbytes)
             flushes = choice.flush_next()
             choice.record(flushes, 1.5 * REF if flushes else plain, REF)
-    assert choices.flushing_classes == {IN_PLACE: [2 << 20], OUT_OF_PLACE: []}
+    assert choices.flushing_classes == [2 << 20]
     assert choices.switches == 1
-    same = choices.for_landing(IN_PLACE, 3 << 20)
-    assert same is choices.for_landing(IN_PLACE, 2 << 20)
-    assert same is not choices.for_landing(IN_PLACE, 4 << 20) and same is not choices.for_landing(OUT_OF_PLACE, 2 << 20)
+    assert choices.for_bytes(3 << 20) is choices.for_bytes(2 << 20) is not choices.for_bytes(4 << 20)
 
 
 def test_size_classes_are_powers_of_two_at_or_below():

@@ -4,23 +4,17 @@ A 2-rank in-place all_reduce on the direct path (cma_steps.py) lands the
 peer's half of the result in lines the peer read a moment before. Where the
 two cores do not share a last-level cache, each store of that landing waits
 for the line to come back from the peer: in slow launches of this VM the
-2 MiB landing of a 4 MiB call took 700-900 us against 100-175 in the others,
-and flushing the lines first took the call from 1240-1410 to 800-870 us
-(0.57-0.69x). Where the caches are shared, the flush only adds its own time:
-430-510 -> 630-670 us (1.32-1.47x; bench/results/landing_s49/phases.md, both
-ways alternating within each launch). The same host shows both from one
-launch to the next, so a rank decides from its own landings' times.
-
-Out of place the same happens to the first read, which lands in this rank's
-own block of the output, where the peer read the result of the previous call
-(a loop that passes the same output; one that passes fresh arrays measures
-no slow landing and never flushes): in slow launches a 4 MiB call's first
-reads took 844 us against the second read's 195.
+2 MiB landing of a 4 MiB call took 670-900 us against 100-185 in the others,
+and flushing the lines first took the call to 0.57-0.78x its time (9 slow
+launches of 30). Where the caches are shared, the flush only adds its own
+time: 1.26-1.63x (21 launches; bench/results/landing_s49/phases.md and
+phases_run1.md, both ways alternating within each launch). The same host
+shows both from one launch to the next, so a rank decides from its own
+landings' times:
 
 - Landing plain, it compares each landing's time per byte with the time per
-  byte of the call's other read, which lands where the peer has not read
-  (in place the first reads, into the kept buffer; out of place the second;
-  the reference: the read itself, without the lines' return). When
+  byte of the same call's first reads, which land in a buffer the peer never
+  reads (the reference: the read itself, without the lines' return). When
   ``slow_after`` landings in a row took over ``slow_ratio`` times the
   reference, it tries ``slow_after`` flushed landings (flush included in
   their time) and flushes from then on if their median beat the plain ones'.
@@ -28,8 +22,8 @@ reads took 844 us against the second read's 195.
   the flushed median, the rank lands plain again.
 - A trial that lost waits ``recheck_every`` slow landings before the next.
 
-Each kind (in place, out of place) and size class of landing (a power of
-two of its bytes) has its own choice (``LandingChoices``): the lines' return costs most where a landing fits the
+Each size class of landing (a power of two of its bytes) has its own choice
+(``LandingChoices``): the lines' return costs most where a landing fits the
 caches (slow launches against fast: a 4 MiB call 3.4x, 16 MiB 1.25x), while a
 flush costs its bytes' write-back at any size. With one choice for every size,
 the flushing that 4 MiB calls chose carried over to 16 MiB calls, which then
@@ -46,12 +40,11 @@ from collections import deque
 from dataclasses import dataclass
 
 FLUSH_MODES = ("auto", "never", "always")
-IN_PLACE, OUT_OF_PLACE = "in_place", "out_of_place"  # the kinds of landing, chosen for apart
 
 
 @dataclass(frozen=True)
 class LandingConfig:
-    # Fast launches measured 0.4-1.3x the reference, slow ones 2.1-5.5x (bench/results/landing_s49/phases.md);
+    # Fast launches measured 0.4-1.35x the reference, slow ones 1.8-5.5x (bench/results/landing_s49/phases*.md);
     # a trial in a fast launch costs 3 flushed landings, a slow launch missed costs every call.
     slow_ratio: float = 1.6
     slow_after: int = 3       # landings in a row over slow_ratio before a trial; also the trial's length
@@ -131,30 +124,25 @@ class LandingChoice:
 
 
 class LandingChoices:
-    """A LandingChoice per kind (IN_PLACE, OUT_OF_PLACE) and size class of landing:
-    ``for_landing(kind, n)`` is the one for a landing of ``n`` bytes (classes from
-    a power of two to the next)."""
+    """A LandingChoice per size class of landing: ``for_bytes(n)`` is the one for a
+    landing of ``n`` bytes (classes from a power of two to the next)."""
 
     def __init__(self, mode: str = "auto", can_flush: bool = True, config: LandingConfig = LandingConfig()):
         LandingChoice(mode, can_flush, config)  # (refuses an unknown mode now, not at the first landing)
         self.mode, self.can_flush, self.config = mode, can_flush, config
-        self._by_class: dict[tuple[str, int], LandingChoice] = {}
+        self._by_class: dict[int, LandingChoice] = {}
 
-    def for_landing(self, kind: str, nbytes: int) -> LandingChoice:
-        key = (kind, size_class_of(nbytes))
-        choice = self._by_class.get(key)
+    def for_bytes(self, nbytes: int) -> LandingChoice:
+        size_class = size_class_of(nbytes)
+        choice = self._by_class.get(size_class)
         if choice is None:
-            choice = self._by_class[key] = LandingChoice(self.mode, self.can_flush, self.config)
+            choice = self._by_class[size_class] = LandingChoice(self.mode, self.can_flush, self.config)
         return choice
 
     @property
-    def flushing_classes(self) -> dict[str, list[int]]:
-        """Per kind, the size classes (their lower bound in bytes) whose landings flush now."""
-        flushing = {IN_PLACE: [], OUT_OF_PLACE: []}
-        for (kind, size_class), choice in sorted(self._by_class.items()):
-            if choice.flushing:
-                flushing[kind].append(size_class)
-        return flushing
+    def flushing_classes(self) -> list[int]:
+        """The size classes (their lower bound in bytes) whose landings flush now."""
+        return sorted(c for c, choice in self._by_class.items() if choice.flushing)
 
     @property
     def switches(self) -> int:
