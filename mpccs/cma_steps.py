@@ -210,8 +210,8 @@ class CmaSteps:
             self._read(self.theirs_out, address, SLOT_REDUCED)
             return
         flushes = landing.flush_next()
-        if flushes:
-            cacheflush.prepare()  # (numba's first load, not timed)
+        if flushes and not cacheflush.prepare():  # (numba's first load, not timed)
+            landing.can_flush = flushes = False  # numba failed here (cacheflush.failure): land plain from now on
         start = time.perf_counter()
         if flushes:
             cacheflush.flush(self.theirs_out)

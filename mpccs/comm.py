@@ -144,9 +144,10 @@ class Communicator:
         self._tune = _parse_tune(options.tune)
         if self._tune.multipath is False:
             self.options = options = dataclasses.replace(options, multipath=False, path_policy="up")
-        if options.landing_flush == "always" and not cacheflush.available():
+        if options.landing_flush == "always" and not (cacheflush.available() and cacheflush.prepare()):
             raise ConfigError("landing_flush='always' (MPCCS_LANDING_FLUSH) needs an x86-64 CPU with CLFLUSHOPT "
-                              "and numba; use 'auto' or 'never'")
+                              f"and a working numba ({cacheflush.failure or 'no CLFLUSHOPT or no numba here'}); "
+                              "use 'auto' or 'never'")
         self._planes = self._open_planes(options)
         pacer = None if options.out_cap_rate_Bps is None else Pacer(options.out_cap_rate_Bps, now=time.perf_counter())
         self._engine = Engine(self.rank, comm_id, self._planes, controller=self._make_controller(),

@@ -233,6 +233,26 @@ def test_an_in_place_all_reduce_flushes_where_its_second_read_lands(monkeypatch,
     assert set(flushed) == (regions if mode == "always" else set())
 
 
+def test_a_flush_kernel_that_fails_to_build_leaves_the_landing_plain(monkeypatch):
+    """numba installed but broken: no exception reaches the caller, the landing goes
+    plain from then on, the result is exact, and the failure is kept to be read."""
+    def broken():
+        raise ImportError("numba needs another numpy")
+    monkeypatch.setattr(cacheflush, "_build_kernel", broken)
+    monkeypatch.setattr(cacheflush, "_kernel", None)
+    monkeypatch.setattr(cacheflush, "failure", None)
+    n = 10_001
+    ins = _operands(n)
+    srcs = [x.copy() for x in ins]
+    landings = (RecordedLanding("always"), RecordedLanding("always"))
+    _run_both("all_reduce", srcs, srcs, landings=landings)
+    for r in range(2):
+        assert srcs[r].tobytes() == (ins[0] + ins[1]).tobytes()
+        assert [flushed for flushed, _, _ in landings[r].landings] == [False]
+        assert not landings[r].can_flush and not landings[r].flush_next()
+    assert cacheflush.failure == "ImportError: numba needs another numpy" and not cacheflush.available()
+
+
 def test_only_an_in_place_all_reduce_asks_the_landing_choice():
     """Out of place the second read lands where the peer read nothing; the other collectives have one read."""
     n = 10_001

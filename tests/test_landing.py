@@ -139,5 +139,6 @@ def test_a_flush_keeps_every_byte(start, stop):
     data = np.arange(1 << 20, dtype=np.uint8) * 7
     data += 1  # dirty in this core's cache
     expected = data.copy()
+    assert cacheflush.prepare() and cacheflush.failure is None
     cacheflush.flush(data[start:stop])
     assert data.tobytes() == expected.tobytes()

@@ -71,10 +71,10 @@ class LandingChoice:
 
     def flush_next(self) -> bool:
         """Whether the next landing flushes its lines first."""
-        if self.mode != "auto":
-            return self.flushing
         if not self.can_flush:
             return False
+        if self.mode != "auto":
+            return self.flushing
         if self._trial_left:
             return True
         return self.flushing and self._since_plain < self.config.recheck_every

@@ -26,12 +26,13 @@ from typing import Callable, Optional
 import numpy as np
 
 _kernel: Optional[Callable] = None
+failure: Optional[str] = None  # why prepare() could not build the kernel (then nothing flushes)
 
 
 def available() -> bool:
-    """The CPU has CLFLUSHOPT (x86-64, Linux's cpuinfo flags) and numba is installed
-    (found, not imported: prepare() imports it)."""
-    if platform.machine() not in ("x86_64", "AMD64"):
+    """The CPU has CLFLUSHOPT (x86-64, Linux's cpuinfo flags), numba is installed
+    (found, not imported: prepare() imports it) and no prepare() failed."""
+    if failure is not None or platform.machine() not in ("x86_64", "AMD64"):
         return False
     try:
         with open("/proc/cpuinfo") as fh:
@@ -43,18 +44,26 @@ def available() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
-def prepare() -> None:
-    """Compile or load the kernel now (numba's import and cache: ~0.2-0.4 s, once per process)."""
-    global _kernel
-    if _kernel is None:
-        kernel = _build_kernel()
-        kernel(np.uintp(0), np.uintp(0))  # numba compiles (or loads its cache) at the first call, not at the def
+def prepare() -> bool:
+    """Compile or load the kernel now (numba's import and cache: ~0.24 s, once per process);
+    whether it is ready. A numba that is installed but does not import or compile (a
+    mismatched numpy, no writable cache) leaves ``failure`` set instead of raising:
+    a landing that cannot flush lands plain, as it would without the flush."""
+    global _kernel, failure
+    if _kernel is None and failure is None:
+        try:
+            kernel = _build_kernel()
+            kernel(np.uintp(0), np.uintp(0))  # numba compiles (or loads its cache) at the first call, not at the def
+        except Exception as exc:  # noqa: BLE001 - any failure of numba's means: no flush here
+            failure = f"{type(exc).__name__}: {exc}"
+            return False
         _kernel = kernel
+    return _kernel is not None
 
 
 def flush(region: np.ndarray) -> None:
-    """Write back and invalidate every cache line ``region``'s bytes touch (a C-contiguous array)."""
-    prepare()
+    """Write back and invalidate every cache line ``region``'s bytes touch (a C-contiguous
+    array); prepare() first, and True from it."""
     if region.nbytes:
         _kernel(np.uintp(region.ctypes.data), np.uintp(region.nbytes))
 
