@@ -18,7 +18,6 @@ report.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -26,7 +25,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from stats import host_text, launched_rows  # noqa: E402
+from stats import host_text, launched_rows, write_results  # noqa: E402
 
 from mpccs.control.landing import size_class_of  # noqa: E402
 
@@ -115,13 +114,9 @@ def main() -> None:
         print(f"# progress: {k + 1}/{args.rounds} rounds", flush=True)
     meta = {"rounds": args.rounds, "iters": args.iters, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "host": host_text()}
-    with open(os.path.join(args.out, "rounds.json"), "w") as fh:
-        json.dump({"meta": meta, "rounds": [{kind: {str(s): t for s, t in times.items()} for kind, times in r.items()}
-                                            for r in rounds]}, fh, indent=1)
-    text = report(rounds, meta)
-    with open(os.path.join(args.out, "report.md"), "w") as fh:
-        fh.write(text)
-    print(text, flush=True)
+    payload = {"meta": meta, "rounds": [{kind: {str(s): t for s, t in times.items()} for kind, times in r.items()}
+                                        for r in rounds]}
+    write_results(args.out, "rounds.json", payload, "report.md", report(rounds, meta))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from stats import host_text  # noqa: E402
+from stats import host_text, write_results  # noqa: E402
 
 from mpccs.control.landing import LandingConfig  # noqa: E402
 
@@ -132,12 +132,7 @@ def main() -> None:
             print(f"# progress: {k + 1}/{args.launches} launches", flush=True)
     meta = {"launches": args.launches, "nbytes": args.bytes, "calls": args.calls, "warmup": warmup,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": host_text()}
-    with open(os.path.join(args.out, "phases.json"), "w") as fh:
-        json.dump({"meta": meta, "launches": launches}, fh, indent=1)
-    text = report(launches, meta)
-    with open(os.path.join(args.out, "phases.md"), "w") as fh:
-        fh.write(text)
-    print(text, flush=True)
+    write_results(args.out, "phases.json", {"meta": meta, "launches": launches}, "phases.md", report(launches, meta))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from stats import host_text  # noqa: E402
+from stats import host_text, write_results  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
 
@@ -119,14 +119,9 @@ def main() -> None:
             print(f"# progress: {k + 1}/{args.rounds} rounds", flush=True)
     meta = {"rounds": args.rounds, "iters": args.iters, "modes": modes, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "host": host_text()}
-    with open(os.path.join(args.out, "rounds.json"), "w") as fh:
-        json.dump({"meta": meta, "rounds": [{mode: {lib: {str(s): t for s, t in times.items()}
-                                                    for lib, times in by_lib.items()}
-                                             for mode, by_lib in r.items()} for r in rounds]}, fh, indent=1)
-    text = report(rounds, meta)
-    with open(os.path.join(args.out, "report.md"), "w") as fh:
-        fh.write(text)
-    print(text, flush=True)
+    payload = {"meta": meta, "rounds": [{mode: {lib: {str(s): t for s, t in times.items()} for lib, times in by_lib.items()}
+                                         for mode, by_lib in r.items()} for r in rounds]}
+    write_results(args.out, "rounds.json", payload, "report.md", report(rounds, meta))
 
 
 if __name__ == "__main__":

@@ -169,12 +169,17 @@ def write_ab_results(out_dir: str, json_name: str, meta: dict, rows: list, lines
 
 def write_rounds(out_dir: str, old: str, rounds: list, lines: list[str]) -> None:
     """A checkout A/B's rounds as rounds.json and its report as report.md (written afresh), printed too."""
+    write_results(out_dir, "rounds.json", {"old": old, "rounds": rounds}, "report.md", "\n".join(lines) + "\n")
+
+
+def write_results(out_dir: str, json_name: str, payload: dict, report_name: str, text: str) -> None:
+    """A run's data as JSON and its report as markdown (both written afresh), the report printed too."""
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "report.md"), "w") as fh:
-        fh.write("\n".join(lines) + "\n")
-    with open(os.path.join(out_dir, "rounds.json"), "w") as fh:
-        json.dump({"old": old, "rounds": rounds}, fh, indent=1)
-    print("\n".join(lines))
+    with open(os.path.join(out_dir, json_name), "w") as fh:
+        json.dump(payload, fh, indent=1)
+    with open(os.path.join(out_dir, report_name), "w") as fh:
+        fh.write(text)
+    print(text, flush=True)
 
 
 def ab_report_head(title: str, meta: dict, columns: str, align: str) -> list[str]:

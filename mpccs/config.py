@@ -154,10 +154,15 @@ DEVICE_REDUCE_MODES = ("auto", "always", "never")
 
 
 def parse_device_reduce(value) -> str:
+    return _parse_auto_mode(value, DEVICE_REDUCE_MODES)
+
+
+def _parse_auto_mode(value, modes: tuple) -> str:
+    """One of ``modes`` ('auto', 'always', 'never'), with 1 / true for 'always' and 0 / false for 'never'."""
     text = str(value).strip().lower()
     text = {"1": "always", "0": "never", "true": "always", "false": "never"}.get(text, text)
-    if text not in DEVICE_REDUCE_MODES:
-        raise ConfigError(f"cannot read {value!r}; use one of {', '.join(DEVICE_REDUCE_MODES)}")
+    if text not in modes:
+        raise ConfigError(f"cannot read {value!r}; use one of {', '.join(modes)}")
     return text
 
 
@@ -167,11 +172,7 @@ LANDING_FLUSH_MODES = ("auto", "never", "always")
 
 
 def parse_landing_flush(value) -> str:
-    text = str(value).strip().lower()
-    text = {"1": "always", "0": "never", "true": "always", "false": "never"}.get(text, text)
-    if text not in LANDING_FLUSH_MODES:
-        raise ConfigError(f"cannot read {value!r}; use one of {', '.join(LANDING_FLUSH_MODES)}")
-    return text
+    return _parse_auto_mode(value, LANDING_FLUSH_MODES)
 
 
 # Whether the planes read device (cupy) memory themselves (GPU-direct): the up
