@@ -159,8 +159,11 @@ class Communicator:
         if self.size == 2 and boot.store is not None:
             self._engine.shm = shm.open_pair(boot.store, self.rank, options.rendezvous_timeout_s,
                                              willing=self._shm_willing(options), cma_willing=options.cma)
-        if self._engine.shm is not None and self._engine.shm.cma:
-            self._engine.landing = LandingChoices(options.landing_flush, can_flush=cacheflush.available())
+        if self._engine.shm is not None:
+            can_flush = cacheflush.available()
+            self._engine.outbox_landing = LandingChoices(options.landing_flush, can_flush=can_flush)
+            if self._engine.shm.cma:
+                self._engine.landing = LandingChoices(options.landing_flush, can_flush=can_flush)
         self._lane = Lane(self._engine.shm, self.rank) if self._engine.shm is not None else None
         self._group = None  # the group lane's segments (3 to 8 ranks on one host: transports/shm_group.py)
         if 2 < self.size <= GROUP_MAX_RANKS and boot.store is not None:
@@ -310,14 +313,18 @@ class Communicator:
 
     @property
     def landing(self) -> Optional[dict]:
-        """This rank's choice for the landing of a 2-rank in-place all_reduce's second read
-        (control/landing.py): the mode, the size classes whose landings it flushes now
-        (each a power of two of bytes, the landing's: half the call), and how often the
-        choices changed; None where the pair does not read across processes."""
-        choices = self._engine.landing
-        if choices is None:
+        """This rank's choices of where a 2-rank all_reduce flushes the lines it is about to
+        write (control/landing.py): the mode; the size classes (each a power of two of
+        bytes: half the call) whose in-place landings of the second read flush now
+        ('flushing', where the pair reads across processes) and whose outboxes flush
+        around their copy in ('outbox_flushing'); how often the choices changed. None
+        where the pair has no shared-memory segments."""
+        outbox, reads = self._engine.outbox_landing, self._engine.landing
+        if outbox is None:
             return None
-        return {"mode": choices.mode, "flushing": choices.flushing_classes, "switches": choices.switches}
+        return {"mode": outbox.mode, "flushing": reads.flushing_classes if reads is not None else [],
+                "outbox_flushing": outbox.flushing_classes,
+                "switches": outbox.switches + (reads.switches if reads is not None else 0)}
 
     def _agree_plan_rates(self) -> None:
         """Every rank at the same call: every rank's measured rates, the agreed ones made of them

@@ -623,7 +623,7 @@ class DirectShmAllReduceOp(SegmentMeetingOp):
     def post_steps(cls, pair, engine, seq: int, name: str, send: np.ndarray, out: np.ndarray, op: str, root):
         """This rank's steps, posted: through the outboxes, or read across processes (``reads``)."""
         if not cls.reads(pair, send):
-            return ShmSteps(pair, seq, engine.rank, send, out, op)
+            return ShmSteps(pair, seq, engine.rank, send, out, op, landing=engine.outbox_landing)
         return CmaSteps(pair, wire.attempt_seq(seq, 0), engine.rank, name, send, out, op,
                         lambda n: engine.kept_scratch("direct_shm", n), _step_error(engine.rank, name), root,
                         landing=engine.landing)

@@ -71,6 +71,7 @@ class Engine:
         self._kept_scratch: dict[str, np.ndarray] = {}  # see kept_scratch()
         self.shm = None  # transports.shm.ShmPair of a 2-rank job on one host (the communicator opens it)
         self.landing = None  # control.landing.LandingChoices of the pair's in-place all_reduce (the communicator's)
+        self.outbox_landing = None  # ... and of its all_reduce through the outboxes (shm_steps.py)
         self._p2p_inboxes: list[np.ndarray] = []  # see p2p_inbox()
         self.shm_holder: Optional[Operation] = None  # the operation whose steps use the segments now
         self.lane_unposted: list[Operation] = []  # lane operations built but not posted yet, in order (lane_ops)

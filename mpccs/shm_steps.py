@@ -21,6 +21,15 @@ by both in steps 2 and 3; the owner writes it again only in its next
 operation, after step 3 saw the peer take. Flags carry ``seq`` (the
 operation's sequence number, from 1: the same on both ranks).
 
+The outbox's lines so pass between the two cores' caches every call. In the
+launches where those caches are apart (docs/design.md, "The landing of an
+in-place all_reduce") step 1's copy waits for each line to come back from the
+peer: 430-440 us for a 1 MiB half against 27-29 in the other launches. There,
+flushing the outbox before and after the copy (transports/cacheflush.py) took
+a 2 MiB call to 0.46-0.47x its time, and elsewhere to 2.8-2.95x
+(bench/results/outbox_flush_probe_s49/), so ``landing`` chooses from the
+copy's time per byte against step 3's copy out (control/landing.py).
+
 Only the all_reduce: four local passes over a half (copy in, reduce, two
 copies out) pay against UCX's two exchanges and their sequencing, while a
 reduce_scatter or all_gather on the direct path is one exchange straight
@@ -29,9 +38,14 @@ into the output, which the segments' two copies lost to (0.67-0.91x at
 """
 from __future__ import annotations
 
+import time
+from typing import Optional
+
 import numpy as np
 
+from .control.landing import LandingChoices
 from .reduce import reduce_to
+from .transports import cacheflush
 from .transports.shm import FLAG_POSTED, FLAG_TAKEN, OUTBOX_BYTES
 from .two_step import halves
 
@@ -43,15 +57,28 @@ def fits(half_bytes: int) -> bool:
 
 
 class ShmSteps:
-    """One 2-rank all_reduce's exchanges through the pair of segments; advance() until ``done``."""
+    """One 2-rank all_reduce's exchanges through the pair of segments; advance() until
+    ``done``. ``landing``: whether step 1 flushes the outbox around its copy, per size
+    of half (module docstring)."""
 
-    def __init__(self, pair, seq: int, rank: int, src: np.ndarray, out: np.ndarray, op: str):
+    def __init__(self, pair, seq: int, rank: int, src: np.ndarray, out: np.ndarray, op: str,
+                 landing: Optional[LandingChoices] = None):
         self.pair, self.seq, self.rank, self.op = pair, seq, rank, op
         mine, theirs = halves(src.size, rank)
         self.mine_in, self.mine_out, self.theirs_in, self.theirs_out = src[mine], out[mine], src[theirs], out[theirs]
         self.stage = 0  # 0: waiting for the peer's post; 1: for its take; 2: done
         self.own_box = pair.own_box[:self.theirs_in.nbytes].view(src.dtype)
+        self.landing = landing.for_bytes(self.own_box.nbytes) if landing is not None else None
+        self.flushes = self.landing is not None and self.landing.flush_next()
+        if self.flushes and not cacheflush.prepare():  # (numba's first load, not timed)
+            self.landing.can_flush = self.flushes = False  # numba failed here (cacheflush.failure): plain from now on
+        start = time.perf_counter()
+        if self.flushes:  # neither rank's stores into the outbox then wait for lines the other holds
+            cacheflush.flush(self.own_box)
         np.copyto(self.own_box, self.theirs_in)
+        if self.flushes:
+            cacheflush.flush(self.own_box)
+        self.copy_in_s = time.perf_counter() - start
         pair.post(FLAG_POSTED, seq)
 
     @property
@@ -76,7 +103,11 @@ class ShmSteps:
             self.pair.post(FLAG_TAKEN, self.seq)
             self.stage, moved = 1, True
         if self.stage == 1 and self.pair.peer_reached(FLAG_TAKEN, self.seq):
+            start = time.perf_counter()
             self.theirs_out[...] = self.own_box  # the peer's half, reduced there
+            if self.landing is not None:  # step 1's copy in against this copy out, per byte
+                nbytes = max(1, self.own_box.nbytes)
+                self.landing.record(self.flushes, self.copy_in_s / nbytes, (time.perf_counter() - start) / nbytes)
             self.stage, moved = 2, True
         return moved
 

@@ -416,7 +416,7 @@ def test_flushed_landings_keep_the_in_place_results_exact(pool):
     for default_mode, landing, exact in pool.run(flushed_landings):
         assert default_mode == "auto"
         classes = sorted({size_class_of(nbytes // 2) for nbytes, _, _, _ in CALLS})  # each call's landing: a half
-        assert landing == {"mode": "always", "flushing": classes, "switches": 0}
+        assert landing == {"mode": "auto", "flushing": classes, "outbox_flushing": [], "switches": 0}
         assert exact == [True] * len(CALLS)
 
 

@@ -46,7 +46,8 @@ def test_table_json_and_no_wrong_elements(tmp_path, collective):
         assert {"collective", "size", "count", "type", "redop", "root", "policy", "time_us", "algbw", "busbw",
                 "wrong", "up_share", "algorithm", "channels", "times_us", "steal", "landing"} <= set(row)
         # the landing flush choice (None: a pair that does not read across processes); nothing here lands in place
-        assert row["landing"] is None or row["landing"] == {"mode": "auto", "flushing": [], "switches": 0}
+        assert row["landing"] is None or row["landing"] == {"mode": "auto", "flushing": [], "outbox_flushing": [],
+                                                            "switches": 0}
         assert row["collective"] == collective and row["wrong"] == 0 and len(row["times_us"]) == 3
         assert row["steal"] is None or 0.0 <= row["steal"] <= 1.0  # None: no /proc/stat
         assert row["channels"] in (None, 1)  # one domain: no channels (None: the direct path keeps no schedule)

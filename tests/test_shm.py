@@ -9,8 +9,9 @@ import pytest
 import mpccs
 from mpccs import engine
 from mpccs.bootstrap import usable_cores
+from mpccs.control.landing import LandingChoice, LandingChoices, size_class_of
 from mpccs.shm_steps import ShmSteps
-from mpccs.transports import shm
+from mpccs.transports import cacheflush, shm
 from mpccs.transports.shm import FLAG_POSTED, SEGMENT_BYTES, ShmPair
 from rankpool import RankPool
 
@@ -32,9 +33,9 @@ def _pairs():
     return ShmPair(a, b), ShmPair(b, a)
 
 
-def _run_both(pairs, seq, ins, outs, op="sum", first=0):
+def _run_both(pairs, seq, ins, outs, op="sum", first=0, landings=(None, None)):
     """Drive both ranks' steps to the end, taking turns from rank ``first``."""
-    steps = [ShmSteps(pairs[rank], seq, rank, ins[rank], outs[rank], op) for rank in (first, 1 - first)]
+    steps = [ShmSteps(pairs[rank], seq, rank, ins[rank], outs[rank], op, landings[rank]) for rank in (first, 1 - first)]
     for _ in range(10):
         for s in steps:
             s.advance()
@@ -210,6 +211,77 @@ def test_a_late_peer_costs_no_spinning(pool):
     (cpu0, algorithm, value), _ = pool.run(late_peer_cpu)
     assert algorithm == "direct_shm" and value == 2.0
     assert cpu0 < 0.4, f"rank 0 spent {cpu0:.2f} CPU seconds waiting 1 s for its peer"
+
+
+class RecordedLanding(LandingChoice):
+    """A landing choice that keeps what each copy in told it, and the sizes it was asked for."""
+
+    def __init__(self, mode):
+        super().__init__(mode)
+        self.landings, self.asked = [], []
+
+    def for_bytes(self, nbytes):  # (standing in for the LandingChoices of every size)
+        self.asked.append(nbytes)
+        return self
+
+    def record(self, flushed, landing_s_per_byte, reference_s_per_byte):
+        self.landings.append((flushed, landing_s_per_byte, reference_s_per_byte))
+        super().record(flushed, landing_s_per_byte, reference_s_per_byte)
+
+
+@pytest.mark.skipif(not cacheflush.available(), reason="needs an x86-64 CPU with CLFLUSHOPT")
+@pytest.mark.parametrize("mode", ["always", "never"])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_the_outbox_is_flushed_around_its_copy_where_the_choice_says(monkeypatch, mode, in_place):
+    """Step 1 flushes this rank's outbox (its operand of the peer's half) before and after
+    copying into it, only where asked; the copy in and the copy out are timed for the
+    choice; the result is the same bits either way."""
+    flushed = []
+    real_flush = cacheflush.flush
+    monkeypatch.setattr(cacheflush, "flush", lambda region: (flushed.append((region.ctypes.data, region.nbytes)),
+                                                            real_flush(region)))
+    pairs = _pairs()
+    n = 100_001
+    ins = [(np.arange(n) % 9 + r).astype(np.float32) for r in range(2)]
+    sources = [x.copy() for x in ins]
+    outs = sources if in_place else [np.full(n, np.nan, np.float32) for _ in range(2)]
+    landings = (RecordedLanding(mode), RecordedLanding(mode))
+    _run_both(pairs, 1, sources, outs, landings=landings)
+    half = n // 2  # rank 0 owns the first half: its outbox carries its operand of the second
+    boxes = [(pairs[0].own_box.ctypes.data, (n - half) * 4), (pairs[1].own_box.ctypes.data, half * 4)]
+    for r in range(2):
+        assert outs[r].tobytes() == (ins[0] + ins[1]).tobytes()
+        (was_flushed, copy_in_s, copy_out_s), = landings[r].landings
+        assert was_flushed == (mode == "always") and copy_in_s > 0 and copy_out_s > 0
+        assert landings[r].asked == [boxes[r][1]]
+    assert flushed == ([boxes[0], boxes[0], boxes[1], boxes[1]] if mode == "always" else [])
+
+
+def outbox_flushed_calls(comm):
+    """1 and 2 MiB all_reduce through the outboxes, in place and out of place, every outbox flushed."""
+    saved = comm._engine.outbox_landing
+    comm._engine.outbox_landing = LandingChoices("always")
+    try:
+        exact = []
+        for nbytes in (1 << 20, (2 << 20) - 8):
+            n = nbytes // 4
+            x = ((np.arange(n) % 11) + comm.rank).astype(np.float32)
+            expected = ((np.arange(n) % 11) * 2 + 1).astype(np.float32).tobytes()
+            out = comm.all_reduce(x, np.empty_like(x))
+            comm.all_reduce(x)
+            exact.append((comm.last_stats()["algorithm"], out.tobytes() == expected, x.tobytes() == expected))
+        return saved.mode, comm.landing, exact
+    finally:
+        comm._engine.outbox_landing = saved
+
+
+@pytest.mark.skipif(not cacheflush.available(), reason="needs an x86-64 CPU with CLFLUSHOPT")
+def test_flushed_outboxes_keep_the_results_exact(pool):
+    for default_mode, landing, exact in pool.run(outbox_flushed_calls):
+        assert default_mode == "auto"
+        assert landing["outbox_flushing"] == [size_class_of(1 << 19)]  # both calls' halves: 512 KiB-1 MiB
+        assert landing["mode"] == "always" and landing["switches"] == 0
+        assert exact == [("direct_shm", True, True)] * 2
 
 
 def every_op_through_the_segments(comm):
