@@ -14,22 +14,18 @@ phases.md.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from stats import host_text, write_results  # noqa: E402
+from stats import host_text, ways_in_launches, write_results  # noqa: E402
 
 from mpccs.control.landing import LandingConfig  # noqa: E402
 
-BIN = os.path.dirname(sys.executable)
 
 
 def rank_main(nbytes: int, calls: int, out: str) -> None:
@@ -107,29 +103,12 @@ def report(launches: list[dict], meta: dict) -> str:
 
 
 def main() -> None:
-    if "--rank-main" in sys.argv:
-        nbytes, calls, out = sys.argv[2:5]
-        rank_main(int(nbytes), int(calls), out)
+    ran = ways_in_launches(__doc__, __file__, rank_main, launches=10, nbytes=4 << 20, calls=120)
+    if ran is None:
         return
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--launches", type=int, default=10)
-    ap.add_argument("--bytes", type=int, default=4 << 20)
-    ap.add_argument("--calls", type=int, default=120)
-    args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    args, per_launch = ran
     warmup = 20
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    launches = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for k in range(args.launches):
-            out = f"{tmp}/rows{k}.json"
-            subprocess.run([f"{BIN}/mpccs-run", "-n", "2", "--no-prefix", sys.executable, __file__, "--rank-main",
-                            str(args.bytes), str(args.calls), out], check=True, env=env, timeout=300,
-                           stdout=subprocess.DEVNULL)
-            with open(out) as fh:
-                launches.append(summary(json.load(fh), args.bytes, warmup))
-            print(f"# progress: {k + 1}/{args.launches} launches", flush=True)
+    launches = [summary(rows, args.bytes, warmup) for rows in per_launch]
     meta = {"launches": args.launches, "nbytes": args.bytes, "calls": args.calls, "warmup": warmup,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": host_text()}
     write_results(args.out, "phases.json", {"meta": meta, "launches": launches}, "phases.md", report(launches, meta))

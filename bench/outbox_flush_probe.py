@@ -12,26 +12,23 @@ cores' caches every call. In the launches where the in-place landing is slow
 by call, the library's steps ("plain") with step 1 replaced by: flush the
 outbox, copy in, flush it again ("flushed": transports/cacheflush.py), so
 that neither rank's stores wait for lines the other holds. It patches
-ShmSteps in the ranks it runs (nothing of the library uses it). Rank 0 reports,
+ShmSteps in the ranks it runs, without the library's own choice (which
+now flushes the same way where it measures slow: shm_steps.py). Rank 0 reports,
 per launch and way, the call and each step's median time. Writes probe.json
 and probe.md.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from stats import host_text, write_results  # noqa: E402
+from stats import host_text, ways_in_launches, write_results  # noqa: E402
 
-BIN = os.path.dirname(sys.executable)
 WAYS = ("plain", "flushed")
 
 
@@ -46,7 +43,7 @@ def rank_main(nbytes: int, calls: int, out: str) -> None:
     plain_init, plain_reduce, plain_advance = (shm_steps.ShmSteps.__init__, shm_steps.ShmSteps._reduce_own_half,
                                                shm_steps.ShmSteps.advance)
 
-    def init(self, pair, seq, rank, src, out_, op):
+    def init(self, pair, seq, rank, src, out_, op, landing=None):  # (the library's own choice left out)
         start = time.perf_counter()
         if way[0] == "plain":
             plain_init(self, pair, seq, rank, src, out_, op)
@@ -124,28 +121,12 @@ def report(launches: list[dict], meta: dict) -> str:
 
 
 def main() -> None:
-    if "--rank-main" in sys.argv:
-        nbytes, calls, out = sys.argv[2:5]
-        rank_main(int(nbytes), int(calls), out)
+    ran = ways_in_launches(__doc__, __file__, rank_main, launches=8, nbytes=2 << 20, calls=200)
+    if ran is None:
         return
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--launches", type=int, default=8)
-    ap.add_argument("--bytes", type=int, default=2 << 20)
-    ap.add_argument("--calls", type=int, default=200)
-    args = ap.parse_args()
+    args, per_launch = ran
     warmup = 20
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    launches = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for k in range(args.launches):
-            out = f"{tmp}/rows{k}.json"
-            subprocess.run([f"{BIN}/mpccs-run", "-n", "2", "--no-prefix", sys.executable, __file__, "--rank-main",
-                            str(args.bytes), str(args.calls), out], check=True, env=env, timeout=300,
-                           stdout=subprocess.DEVNULL)
-            with open(out) as fh:
-                launches.append(summary(json.load(fh), warmup))
-            print(f"# progress: {k + 1}/{args.launches} launches", flush=True)
+    launches = [summary(rows, warmup) for rows in per_launch]
     meta = {"launches": args.launches, "nbytes": args.bytes, "calls": args.calls, "warmup": warmup,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": host_text()}
     write_results(args.out, "probe.json", {"meta": meta, "launches": launches}, "probe.md", report(launches, meta))

@@ -172,6 +172,41 @@ def write_rounds(out_dir: str, old: str, rounds: list, lines: list[str]) -> None
     write_results(out_dir, "rounds.json", {"old": old, "rounds": rounds}, "report.md", "\n".join(lines) + "\n")
 
 
+def ways_in_launches(doc: str, script: str, rank_main, launches: int, nbytes: int, calls: int):
+    """The command line of an A/B within launches (landing_phases.py, outbox_flush_probe.py). In a
+    rank (``--rank-main BYTES CALLS OUT``): run ``rank_main(bytes, calls, out)``, return None. Else
+    parse ``--out --launches --bytes --calls`` (these defaults), launch, and return the arguments
+    and each launch's rows."""
+    if "--rank-main" in sys.argv:
+        nbytes_arg, calls_arg, out = sys.argv[2:5]
+        rank_main(int(nbytes_arg), int(calls_arg), out)
+        return None
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--launches", type=int, default=launches)
+    ap.add_argument("--bytes", type=int, default=nbytes)
+    ap.add_argument("--calls", type=int, default=calls)
+    args = ap.parse_args()
+    return args, rank_rows_per_launch(script, args.launches, [str(args.bytes), str(args.calls)])
+
+
+def rank_rows_per_launch(script: str, launches: int, rank_args: list[str]) -> list:
+    """Launch ``script --rank-main ARGS... OUT`` on 2 ranks ``launches`` times (a progress line
+    each); each launch's rank 0 writes its rows as JSON to OUT. The rows of every launch."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    bin_dir = os.path.dirname(sys.executable)
+    per_launch = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in range(launches):
+            out = f"{tmp}/rows{k}.json"
+            subprocess.run([f"{bin_dir}/mpccs-run", "-n", "2", "--no-prefix", sys.executable, script, "--rank-main",
+                            *rank_args, out], check=True, env=env, timeout=300, stdout=subprocess.DEVNULL)
+            with open(out) as fh:
+                per_launch.append(json.load(fh))
+            print(f"# progress: {k + 1}/{launches} launches", flush=True)
+    return per_launch
+
+
 def write_results(out_dir: str, json_name: str, payload: dict, report_name: str, text: str) -> None:
     """A run's data as JSON and its report as markdown (both written afresh), the report printed too."""
     os.makedirs(out_dir, exist_ok=True)

@@ -19,10 +19,11 @@ import mpccs
 from collective_cases import dtype_of
 from mpccs import cma_steps
 from mpccs.direct_ops import DIRECT_CMA_FROM_BYTES
-from mpccs.control.landing import LandingChoice, LandingChoices, size_class_of
+from mpccs.control.landing import LandingChoices, size_class_of
 from mpccs.errors import TransportError
 from mpccs.transports import cacheflush, cma, shm
 from mpccs.transports.shm import SEGMENT_BYTES, SLOT_POSTED, SLOT_SHAPE, SLOTS, ShmPair
+from landing_cases import RecordedLanding, recorded_flushes
 from rankpool import RankPool
 from test_two_step import BLOCK_CALLS, block_calls, inputs, reference
 
@@ -192,32 +193,13 @@ def test_large_blocks_out_of_place_are_read_whole(monkeypatch):
     assert reads == [n * 4, n * 4], reads
 
 
-class RecordedLanding(LandingChoice):
-    """A landing choice that keeps what each landing told it, and the sizes it was asked for."""
-
-    def __init__(self, mode):
-        super().__init__(mode)
-        self.landings, self.asked = [], []
-
-    def for_bytes(self, nbytes):  # (standing in for the LandingChoices of every size)
-        self.asked.append(nbytes)
-        return self
-
-    def record(self, flushed, landing_s_per_byte, reference_s_per_byte):
-        self.landings.append((flushed, landing_s_per_byte, reference_s_per_byte))
-        super().record(flushed, landing_s_per_byte, reference_s_per_byte)
-
-
 @pytest.mark.skipif(not cacheflush.available(), reason="needs an x86-64 CPU with CLFLUSHOPT")
 @pytest.mark.parametrize("mode", ["always", "never"])
 def test_an_in_place_all_reduce_flushes_where_its_second_read_lands(monkeypatch, mode):
     """In place, the second read's region (the peer's half, in this rank's buffer) is
     flushed first where the choice says so, and only it; the landing and the first
     reads are timed for the choice; the result is the same bits either way."""
-    flushed = []
-    real_flush = cacheflush.flush
-    monkeypatch.setattr(cacheflush, "flush", lambda region: (flushed.append((region.ctypes.data, region.nbytes)),
-                                                            real_flush(region)))
+    flushed = recorded_flushes(monkeypatch, cacheflush)
     n = 100_001
     ins = _operands(n)
     srcs = [x.copy() for x in ins]

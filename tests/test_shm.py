@@ -9,10 +9,11 @@ import pytest
 import mpccs
 from mpccs import engine
 from mpccs.bootstrap import usable_cores
-from mpccs.control.landing import LandingChoice, LandingChoices, size_class_of
+from mpccs.control.landing import LandingChoices, size_class_of
 from mpccs.shm_steps import ShmSteps
 from mpccs.transports import cacheflush, shm
 from mpccs.transports.shm import FLAG_POSTED, SEGMENT_BYTES, ShmPair
+from landing_cases import RecordedLanding, recorded_flushes
 from rankpool import RankPool
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory segments need x86-64 and /dev/shm")
@@ -213,22 +214,6 @@ def test_a_late_peer_costs_no_spinning(pool):
     assert cpu0 < 0.4, f"rank 0 spent {cpu0:.2f} CPU seconds waiting 1 s for its peer"
 
 
-class RecordedLanding(LandingChoice):
-    """A landing choice that keeps what each copy in told it, and the sizes it was asked for."""
-
-    def __init__(self, mode):
-        super().__init__(mode)
-        self.landings, self.asked = [], []
-
-    def for_bytes(self, nbytes):  # (standing in for the LandingChoices of every size)
-        self.asked.append(nbytes)
-        return self
-
-    def record(self, flushed, landing_s_per_byte, reference_s_per_byte):
-        self.landings.append((flushed, landing_s_per_byte, reference_s_per_byte))
-        super().record(flushed, landing_s_per_byte, reference_s_per_byte)
-
-
 @pytest.mark.skipif(not cacheflush.available(), reason="needs an x86-64 CPU with CLFLUSHOPT")
 @pytest.mark.parametrize("mode", ["always", "never"])
 @pytest.mark.parametrize("in_place", [False, True])
@@ -236,10 +221,7 @@ def test_the_outbox_is_flushed_around_its_copy_where_the_choice_says(monkeypatch
     """Step 1 flushes this rank's outbox (its operand of the peer's half) before and after
     copying into it, only where asked; the copy in and the copy out are timed for the
     choice; the result is the same bits either way."""
-    flushed = []
-    real_flush = cacheflush.flush
-    monkeypatch.setattr(cacheflush, "flush", lambda region: (flushed.append((region.ctypes.data, region.nbytes)),
-                                                            real_flush(region)))
+    flushed = recorded_flushes(monkeypatch, cacheflush)
     pairs = _pairs()
     n = 100_001
     ins = [(np.arange(n) % 9 + r).astype(np.float32) for r in range(2)]
