@@ -209,9 +209,7 @@ class CmaSteps:
         if landing is None:
             self._read(self.theirs_out, address, SLOT_REDUCED)
             return
-        flushes = landing.flush_next()
-        if flushes and not cacheflush.prepare():  # (numba's first load, not timed)
-            landing.can_flush = flushes = False  # numba failed here (cacheflush.failure): land plain from now on
+        flushes = landing.flush_next(cacheflush.prepare)  # (numba's first load, not timed)
         start = time.perf_counter()
         if flushes:
             cacheflush.flush(self.theirs_out)

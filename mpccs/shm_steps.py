@@ -69,9 +69,7 @@ class ShmSteps:
         self.stage = 0  # 0: waiting for the peer's post; 1: for its take; 2: done
         self.own_box = pair.own_box[:self.theirs_in.nbytes].view(src.dtype)
         self.landing = landing.for_bytes(self.own_box.nbytes) if landing is not None else None
-        self.flushes = self.landing is not None and self.landing.flush_next()
-        if self.flushes and not cacheflush.prepare():  # (numba's first load, not timed)
-            self.landing.can_flush = self.flushes = False  # numba failed here (cacheflush.failure): plain from now on
+        self.flushes = self.landing is not None and self.landing.flush_next(cacheflush.prepare)  # (not timed)
         start = time.perf_counter()
         if self.flushes:  # neither rank's stores into the outbox then wait for lines the other holds
             cacheflush.flush(self.own_box)

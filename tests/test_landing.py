@@ -86,6 +86,21 @@ def test_fixed_modes_and_a_rank_that_cannot_flush(mode, can_flush, expected):
     assert choice.switches == 0
 
 
+def test_a_flush_that_cannot_be_made_ready_turns_the_flushing_off():
+    """ready() is asked only where a flush is due; False from it lands plain from then on."""
+    asked = []
+
+    def not_ready():
+        asked.append(True)
+        return False
+
+    idle = LandingChoice("auto")
+    assert not idle.flush_next(not_ready) and asked == []  # nothing due: not asked
+    broken = LandingChoice("always")
+    assert not broken.flush_next(not_ready) and asked == [True]
+    assert not broken.can_flush and not broken.flush_next() and asked == [True]
+
+
 def test_an_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="unknown landing flush mode 'sometimes'"):
         LandingChoice("sometimes")

@@ -38,6 +38,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 FLUSH_MODES = ("auto", "never", "always")
 
@@ -69,10 +70,18 @@ class LandingChoice:
         self._slow_needed = config.slow_after
         self.switches = 0         # times the choice changed (telemetry, tests)
 
-    def flush_next(self) -> bool:
-        """Whether the next landing flushes its lines first."""
-        if not self.can_flush:
+    def flush_next(self, ready: Callable[[], bool] = lambda: True) -> bool:
+        """Whether the next landing flushes its lines first. ``ready()`` is asked where
+        it would (the caller's flush kernel, built then: transports/cacheflush.prepare);
+        False from it turns the flush off for good, and the landing goes plain."""
+        if not self.can_flush or not self._would_flush():
             return False
+        if not ready():
+            self.can_flush = False
+            return False
+        return True
+
+    def _would_flush(self) -> bool:
         if self.mode != "auto":
             return self.flushing
         if self._trial_left:
