@@ -36,9 +36,9 @@ RESUME_SPLITS = (0.3, 0.5, 0.8)  # --focus resume: 'out' always carries bytes
 
 
 def dtypes():
-    from mpccs.reduce import SUPPORTED_DTYPES
+    from mpccs.reduce import supported_dtypes
 
-    return [np.dtype(d) for d in SUPPORTED_DTYPES]
+    return list(supported_dtypes())
 
 
 def ops_for(dtype) -> list[str]:

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .reduce import OPS, SUPPORTED_DTYPES
+from .reduce import OPS, SUPPORTED_DTYPE_NAMES, is_supported_dtype
 from .staging import is_device_array, sync_current_stream
 
-
-_SUPPORTED = frozenset(SUPPORTED_DTYPES)  # a hash lookup, not a dozen dtype comparisons per call
 
 
 def check_array(arr, name: str, *, writable: bool = False) -> np.ndarray:
@@ -20,8 +18,8 @@ def check_array(arr, name: str, *, writable: bool = False) -> np.ndarray:
         if is_device_array(arr):  # the Communicator's calls stage them before this check
             raise TypeError(f"{name}: a device array here; pass it to a Communicator call (mpccs.staging)")
         raise TypeError(f"{name} must be a numpy array, got {type(arr).__name__}")
-    if arr.dtype not in _SUPPORTED:
-        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+    if not is_supported_dtype(arr.dtype):
+        names = ", ".join(SUPPORTED_DTYPE_NAMES)
         raise TypeError(f"{name}: dtype {arr.dtype} is not supported; supported: {names}")
     if not arr.flags.c_contiguous:
         raise ValueError(f"{name} must be C-contiguous (use np.ascontiguousarray)")

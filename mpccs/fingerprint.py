@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .reduce import SUPPORTED_DTYPES
+from .reduce import SUPPORTED_DTYPE_NAMES
 
 _COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "all_to_allv", "broadcast", "reduce", "barrier",
                 "plan_rates")  # 4 bits; plan_rates: the ranks agreeing on plan rates (comm._agree_plan_rates)
@@ -122,7 +122,7 @@ class Fingerprint:
         return out
 
 
-_DTYPE_NAMES = [str(d) for d in SUPPORTED_DTYPES]
+_DTYPE_NAMES = SUPPORTED_DTYPE_NAMES
 _DTYPE_CODE = {name: code for code, name in enumerate(_DTYPE_NAMES)}
 
 

@@ -26,6 +26,7 @@ import numpy as np
 from .config import parse_policy, parse_size
 from .errors import ConfigError
 from .info import code_identity
+from .reduce import bfloat16_dtype
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce")
 DTYPE_ALIASES = {
@@ -40,9 +41,7 @@ def dtype_of(name: str) -> np.dtype:
     if name not in DTYPE_ALIASES:
         raise SystemExit(f"mpccs-perf: unknown dtype {name!r}; valid: {', '.join(sorted(DTYPE_ALIASES))}")
     if DTYPE_ALIASES[name] == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
+        return bfloat16_dtype()
     return np.dtype(DTYPE_ALIASES[name])
 
 

@@ -7,23 +7,40 @@ tests check this bit for bit against an explicit float32 computation).
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
-
-try:
-    import ml_dtypes
-
-    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - ml_dtypes is a dependency
-    BFLOAT16 = None
 
 OPS = ("sum", "prod", "min", "max", "avg")
 _UFUNC = {"sum": np.add, "avg": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
 
-SUPPORTED_DTYPES = tuple(
-    np.dtype(t)
-    for t in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-              "float16", "float32", "float64")
-) + ((BFLOAT16,) if BFLOAT16 is not None else ())
+_NUMPY_DTYPE_NAMES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                      "float16", "float32", "float64")
+_NUMPY_DTYPES = frozenset(map(np.dtype, _NUMPY_DTYPE_NAMES))
+SUPPORTED_DTYPE_NAMES = _NUMPY_DTYPE_NAMES + ("bfloat16",)  # the order gives fingerprint codes
+
+def bfloat16_dtype() -> np.dtype:
+    """ml_dtypes' bfloat16, imported on first use: its extension takes ~0.6 s to
+    load, half of ``import mpccs``, and most programs never touch it."""
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def supported_dtypes() -> tuple:
+    """Every dtype the reductions take, bfloat16 included (this loads ml_dtypes)."""
+    return tuple(map(np.dtype, _NUMPY_DTYPE_NAMES)) + (bfloat16_dtype(),)
+
+
+def is_supported_dtype(dtype: np.dtype) -> bool:
+    """A hash lookup for numpy's own types. A bfloat16 array exists only once
+    its owner imported ml_dtypes, so where ml_dtypes is not loaded the answer
+    is no without importing it."""
+    if dtype in _NUMPY_DTYPES:
+        return True
+    ml_dtypes = sys.modules.get("ml_dtypes")
+    return ml_dtypes is not None and dtype == ml_dtypes.bfloat16
+
 
 def reduce_into(dst: np.ndarray, src: np.ndarray, op: str) -> None:
     """dst = op(dst, src), in place; both 1-D, same dtype and length."""

@@ -44,9 +44,8 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 
 from .errors import ConfigError
-from .reduce import SUPPORTED_DTYPES, finish_avg
+from .reduce import SUPPORTED_DTYPE_NAMES, finish_avg, is_supported_dtype
 
-_SUPPORTED = frozenset(SUPPORTED_DTYPES)
 _UFUNC = {"sum": "add", "avg": "add", "prod": "multiply", "min": "minimum", "max": "maximum"}
 
 
@@ -129,8 +128,8 @@ def check_device_arrays(arrays: dict, *, any_dtype: bool = False) -> int:
     for name, a in named.items():
         if not a.flags.c_contiguous:
             raise ValueError(f"{name} must be C-contiguous (use cupy.ascontiguousarray)")
-        if not any_dtype and a.dtype not in _SUPPORTED:  # point-to-point moves bytes of any dtype
-            names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        if not any_dtype and not is_supported_dtype(a.dtype):  # point-to-point moves bytes of any dtype
+            names = ", ".join(SUPPORTED_DTYPE_NAMES)
             raise TypeError(f"{name}: dtype {a.dtype} is not supported; supported: {names}")
     return devices[first]
 

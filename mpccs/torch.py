@@ -50,7 +50,7 @@ from .bootstrap import Bootstrap
 from .comm import Communicator
 from .config import load_options
 from .errors import ConfigError, MpccsError, RendezvousError
-from .reduce import BFLOAT16, SUPPORTED_DTYPES
+from .reduce import bfloat16_dtype, is_supported_dtype
 from .store import StoreClient, StoreServer
 
 __all__ = [
@@ -69,9 +69,6 @@ _REDUCE_OPS = {
 # ---------------------------------------------------------------------------
 # tensors <-> numpy
 # ---------------------------------------------------------------------------
-_NP_DTYPES = set(SUPPORTED_DTYPES)
-
-
 _TORCH_REDUCIBLE = {
     torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64,
     torch.float16, torch.bfloat16, torch.float32, torch.float64,
@@ -86,8 +83,8 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     kept, float8, ...) come back as unsigned/signed integers of their size.
     """
     t = t.detach()
-    if t.dtype == torch.bfloat16 and BFLOAT16 is not None:
-        return t.view(torch.int16).numpy().view(BFLOAT16)
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(bfloat16_dtype())
     try:
         return t.numpy()
     except (TypeError, RuntimeError):
@@ -98,7 +95,7 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 
 def _movable(arr: np.ndarray) -> np.ndarray:
     """Copy-only collectives move any dtype: unsupported ones (bool, complex) travel as bytes."""
-    if arr.dtype in _NP_DTYPES:
+    if is_supported_dtype(arr.dtype):
         return arr
     return arr.reshape(-1).view(np.uint8)
 

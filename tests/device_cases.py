@@ -4,12 +4,12 @@ from __future__ import annotations
 import numpy as np
 
 from mpccs import staging
-from mpccs.reduce import BFLOAT16, finish_avg, reduce_into
+from mpccs.reduce import bfloat16_dtype, finish_avg, reduce_into
 
 
 def inputs(rank: int, count: int, dtype, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed * 100 + rank)
-    if np.dtype(dtype).kind in "fV" or dtype == BFLOAT16:
+    if np.dtype(dtype).kind in "fV" or str(np.dtype(dtype)) == "bfloat16":
         return rng.standard_normal(count).astype(dtype)
     return rng.integers(-3, 4 if np.dtype(dtype).kind == "i" else 7, count).astype(dtype)
 
@@ -35,7 +35,7 @@ def device_reduction(comm, kind: str, count: int, dtype: str, op: str, policy, s
     """One reduction through the device steps with numpy standing in for the device; returns
     (result bytes or None, whether it matched the rank-order reference bit for bit).
     ``direct``: the GPU-direct steps (no mirrors: the steps run on the arrays themselves)."""
-    dtype = BFLOAT16 if dtype == "bfloat16" else np.dtype(dtype)
+    dtype = bfloat16_dtype() if dtype == "bfloat16" else np.dtype(dtype)
     comm.set_path_policy(policy)
     size, rank, root = comm.size, comm.rank, seed % comm.size
     x = inputs(rank, count, dtype, seed)

@@ -5,6 +5,8 @@ policy) are covered pairwise; one pool of ranks per world shape is kept alive
 for the whole module.
 """
 import contextlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -513,11 +515,11 @@ def direct_blocks_every_dtype(comm, segments=False, nbytes=700 << 10):
     """Medium all_reduces of ~``nbytes`` on the direct blocks path (``segments``: through
     the shared-memory segments where the pool has them, else with them closed), every
     supported dtype, in and out of place: (dtype, op, in place, algorithm, exact) per call."""
-    from mpccs.reduce import SUPPORTED_DTYPES
+    from mpccs.reduce import supported_dtypes
 
     p, out = comm.size, []
     with path_policy(comm, "adaptive"), shm_segments(comm, segments):
-        for dt in map(np.dtype, SUPPORTED_DTYPES):
+        for dt in supported_dtypes():
             n = nbytes // dt.itemsize + 1  # odd: blocks of unequal length
             ins = [((np.arange(n) % 3) + (r % 2)).astype(dt) for r in range(p)]  # exact in every dtype
             for op, fold in (("sum", np.add), ("max", np.maximum)):
@@ -603,6 +605,25 @@ def test_bad_input_is_rejected_before_anything_is_sent(pools):
         assert kinds == ["TypeError", "ValueError", "TypeError", "ValueError", "ValueError", "ValueError",
                          "ValueError", "ValueError", "ValueError", "TypeError"] + ["ValueError"] * 4
         assert value == 2.0
+
+
+def test_bfloat16_is_checked_without_importing_ml_dtypes_first():
+    # ml_dtypes' extension is half of ``import mpccs``: it loads only with a bfloat16 array's owner
+    code = ("import sys, numpy as np, mpccs\n"
+            "from mpccs.arrays import check_array\n"
+            "assert 'ml_dtypes' not in sys.modules, 'ml_dtypes imported by mpccs'\n"
+            "check_array(np.ones(2, np.float32), 'x')\n"
+            "try:\n"
+            "    check_array(np.ones(2, np.complex64), 'x')\n"
+            "except TypeError as exc:\n"
+            "    assert 'complex64' in str(exc) and 'bfloat16' in str(exc), exc\n"
+            "else:\n"
+            "    raise AssertionError('complex64 accepted')\n"
+            "assert 'ml_dtypes' not in sys.modules, 'ml_dtypes imported by a check'\n"
+            "import ml_dtypes\n"
+            "assert check_array(np.ones((2, 3), ml_dtypes.bfloat16), 'x').shape == (6,)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
 
 
 def in_place_forms(comm):
