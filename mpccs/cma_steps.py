@@ -26,16 +26,8 @@ its own table:
    the left) into its output (or place it, and copy its own block), then
    REDUCED = seq ("my block is final, and I am done reading your
    input");
-3. all_reduce only: read the peer's block of the output from the peer's
-   output as it becomes final, then DONE = seq ("done reading your output").
-   Step 2 posts FINAL_BYTES, how much of the block it has reduced, after each
-   part, so this read starts before the peer's REDUCED: the rank that finished
-   its own reduction first lands the slower one's parts while it still reduces
-   the rest, instead of waiting for all of it (2 ranks in place, 4 MiB: rank 0
-   read and reduced in 246 us, rank 1 in 182, and rank 1 waited 65 us for
-   REDUCED before a 156 us landing). A range is read only once both hold: the
-   peer's result there is final, and the peer has read this rank's operand
-   there (in place, the landing writes over it);
+3. all_reduce only: once the peer reduced, read the peer's block of the output
+   from the peer's output, then DONE = seq ("done reading your output");
 4. done once the peer posted the last flag of its own steps (REDUCED, or DONE
    for an all_reduce): from then on the peer reads nothing of ours.
 
@@ -70,8 +62,7 @@ from .errors import TransportError
 from .control.landing import LandingChoices
 from .reduce import reduce_to
 from .transports import cacheflush, cma
-from .transports.shm import (SLOT_DONE, SLOT_FINAL_BYTES, SLOT_OUT, SLOT_POSTED, SLOT_REDUCED, SLOT_SHAPE, SLOT_SRC,
-                             SLOTS)
+from .transports.shm import SLOT_DONE, SLOT_OUT, SLOT_POSTED, SLOT_REDUCED, SLOT_SHAPE, SLOT_SRC, SLOTS
 from .two_step import STEPS, _geometry, _split_at, halves
 
 # A reduction reads the peer's operand this much at a time and reduces each part
@@ -116,17 +107,13 @@ class CmaSteps:
         self.shape = SHAPE_CODES[collective] << 56 | root << 48 | src.nbytes
         self.scratch, self.error = scratch, error
         self.peer_out = 0
-        # In place, the peer read this rank's operand of its block from where its result lands (_land_final_parts).
+        # In place, the peer read this rank's operand of its block from where its result lands (_land_result).
         self.landing = (landing.for_bytes(self.theirs_out.nbytes)
                         if landing is not None and collective == "all_reduce" and np.may_share_memory(src, out)
                         else None)
         self._first_reads_s = 0.0  # the first step's reads (into the kept buffer): the landing's reference
-        self.posts_parts = collective == "all_reduce"  # the peer lands each part as it is made (step 3)
-        self.landed = 0  # bytes of theirs_out read so far (step 3)
-        self._landing_s, self._flushes = 0.0, False  # step 3's read time; whether it flushes (landing)
         own = pair.own_slots[self.slot]
         own[SLOT_SRC], own[SLOT_OUT], own[SLOT_SHAPE] = src.ctypes.data, out.ctypes.data, self.shape
-        own[SLOT_FINAL_BYTES] = 0  # before POSTED: a peer that saw POSTED never takes an older operation's count
         pair.post_slot(self.slot, SLOT_POSTED, seq)
         self.phase = PEER_POSTED if self.reads else PEER_REDUCED
 
@@ -152,14 +139,12 @@ class CmaSteps:
                 return True
             moved = True
         if self.phase == PEER_REDUCED:
-            if len(self.steps) == 1:
-                if peer[SLOT_REDUCED] != seq:
-                    return moved
-                self.phase = FINISHED  # the peer is done with this rank's input
-                return True
-            moved |= self._land_final_parts(peer)
-            if self.landed < self.theirs_out.nbytes:
+            if peer[SLOT_REDUCED] != seq:
                 return moved
+            if len(self.steps) == 1:  # the peer is done with this rank's input
+                self.phase = FINISHED
+                return True
+            self._land_result()
             self.pair.post_slot(self.slot, SLOT_DONE, seq)
             self.phase, moved = PEER_DONE, True
         if self.phase == PEER_DONE and peer[SLOT_DONE] == seq:
@@ -178,8 +163,7 @@ class CmaSteps:
     @property
     def waiting_for(self) -> str:
         return {PEER_POSTED: "the peer to post its buffers",
-                PEER_REDUCED: (f"the peer to finish its {self.steps[0]} read" if len(self.steps) == 1 else
-                               f"the peer's reduced parts ({self.landed} of {self.theirs_out.nbytes} bytes read)"),
+                PEER_REDUCED: f"the peer to finish its {self.steps[0]} read",
                 PEER_DONE: f"the peer to finish its {STEPS[1]} read",
                 FINISHED: "nothing"}[self.phase]
 
@@ -216,33 +200,22 @@ class CmaSteps:
             if timed:
                 self._first_reads_s += time.perf_counter() - start
             self._reduce(part, mine[lo:lo + step], incoming)
-            if self.posts_parts:  # the peer may land this part now (step 3)
-                self.pair.post_slot(self.slot, SLOT_FINAL_BYTES, (lo + part.size) * itemsize)
 
-    def _land_final_parts(self, peer) -> bool:
-        """Step 3: read what more of the peer's block of an all_reduce's output is final
-        (its FINAL_BYTES; all of it once it posted REDUCED) into this rank's; True if
-        anything was read. In place, flush the lines it lands in first where ``landing``
-        says so, and once the block is in tell it how long the reads took per byte
-        against the first step's."""
-        total, seq = self.theirs_out.nbytes, self.seq
-        final = total if peer[SLOT_REDUCED] == seq else min(int(peer[SLOT_FINAL_BYTES]), total)
-        if final <= self.landed:
-            return False
-        landing, lo = self.landing, self.landed
-        if landing is not None and lo == 0:
-            self._flushes = landing.flush_next(cacheflush.prepare)  # (numba's first load, not timed)
+    def _land_result(self) -> None:
+        """Read the peer's block of an all_reduce's output into this rank's. In place,
+        flush the lines it lands in first where ``landing`` says so, and tell it how
+        long the landing took per byte against the first step's reads."""
+        address, landing = self.peer_out + self.out_offset, self.landing
+        if landing is None:
+            self._read(self.theirs_out, address, SLOT_REDUCED)
+            return
+        flushes = landing.flush_next(cacheflush.prepare)  # (numba's first load, not timed)
         start = time.perf_counter()
-        if self._flushes:
-            cacheflush.flush(self.theirs_out.view(np.uint8)[lo:final])
-        self._read_at(self.theirs_out.ctypes.data + lo, final - lo, self.peer_out + self.out_offset + lo, SLOT_POSTED)
-        self.landed = final
-        if landing is not None:
-            self._landing_s += time.perf_counter() - start
-            if final == total:
-                landing.record(self._flushes, self._landing_s / max(1, total),
-                               self._first_reads_s / max(1, self.mine_in.nbytes))
-        return True
+        if flushes:
+            cacheflush.flush(self.theirs_out)
+        self._read(self.theirs_out, address, SLOT_REDUCED)
+        landing.record(flushes, (time.perf_counter() - start) / max(1, self.theirs_out.nbytes),
+                       self._first_reads_s / max(1, self.mine_in.nbytes))
 
     def _reduce(self, out: np.ndarray, own: np.ndarray, incoming: np.ndarray) -> None:
         """out = in_0 op in_1: rank 0's operand on the left, as on every path."""

@@ -102,9 +102,8 @@ WORD_PID, WORD_COOKIE, WORD_COOKIE_AT = 8, 9, 10
 SLOTS_AT, SLOTS, SLOT_WORDS = 16, 32, 8  # the slot table: header words [16, 16 + 32 * 8)
 # The fingerprint ring: header words [272, 272 + 32 * 3); an entry's words: the fingerprint's two, its seq.
 FP_RING_AT, FP_RING, FP_WORDS = SLOTS_AT + SLOTS * SLOT_WORDS, 32, 3
-# A slot's words: the input's and the output's address, the call's shape, then the steps reached (cma_steps.py),
-# and how many bytes of its block's result an all_reduce's first step has made final so far.
-SLOT_SRC, SLOT_OUT, SLOT_SHAPE, SLOT_POSTED, SLOT_REDUCED, SLOT_DONE, SLOT_FINAL_BYTES = range(7)
+# A slot's words: the input's and the output's address, the call's shape, then the steps reached (cma_steps.py).
+SLOT_SRC, SLOT_OUT, SLOT_SHAPE, SLOT_POSTED, SLOT_REDUCED, SLOT_DONE = range(6)
 SHM_DIR = "/dev/shm"
 
 
