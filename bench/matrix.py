@@ -390,6 +390,7 @@ def calibration(cluster) -> dict:
 
 
 def measure(ns, plan: dict) -> None:
+    from mpccs.info import versions
     from mpccs.testbed import Cluster
 
     raw = os.path.join(ns.out, "raw")
@@ -399,7 +400,8 @@ def measure(ns, plan: dict) -> None:
     meta = {"command": " ".join(["python", "bench/matrix.py"] + sys.argv[1:]), "plan": plan,
             "quick": ns.quick, "start": time.strftime("%Y-%m-%dT%H:%M:%S"), "rates": {
                 "up": UP_RATE, "out": OUT_RATE, "background": BG_RATE, "shared_trunk": SHARED_RATE},
-            "cap": CAP, "host": host_info(), "clusters": {}, "calibration": {}, "library_start": library_state()}
+            "cap": CAP, "host": host_info(), "clusters": {}, "calibration": {}, "library_start": library_state(),
+            "versions": versions()}
     t_start = time.time()
     env = {"MPCCS_REPROBE": "5"}
     log = open(os.path.join(raw, "testbed.log"), "a")
@@ -1340,12 +1342,12 @@ def plot_all(out: str, cells: list, series: dict) -> None:
 def report(out: str) -> str:
     raw = os.path.join(out, "raw")
     meta = load(os.path.join(raw, "meta.json"))
-    versions = {}
+    versions = meta.get("versions", {})  # (a run of series alone has no mpccs-perf JSON to take them from)
     runs = []
     for cond in CONDITIONS:
         for coll in COLLECTIVES:
             p = os.path.join(raw, cond, f"{coll}.json")
-            if os.path.exists(p) and not versions:
+            if os.path.exists(p) and not versions.get("mpccs"):
                 versions = load(p)["meta"]
             rp = os.path.join(raw, cond, f"{coll}.run.json")
             if os.path.exists(rp):

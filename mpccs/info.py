@@ -41,15 +41,24 @@ def code_identity() -> dict:
     return {"path": root, "sources": sources_digest(root, root)}
 
 
-def collect(comm) -> dict:
+def versions() -> dict:
+    """The versions a results file records: mpccs, ucxx, UCX, numpy, Python."""
+    import platform
+
+    import numpy as np
+
     from . import __version__
-    from .hostmem import huge_pages_setting
     from .transports.ucx import ucx_version, ucxx_version
 
+    return {"mpccs": __version__, "ucxx": ucxx_version(), "ucx": ucx_version(), "numpy": np.__version__,
+            "python": platform.python_version()}
+
+
+def collect(comm) -> dict:
+    from .hostmem import huge_pages_setting
+
     return {
-        "mpccs": __version__,
-        "ucxx": ucxx_version(),
-        "ucx": ucx_version(),
+        **{k: v for k, v in versions().items() if k in ("mpccs", "ucxx", "ucx")},
         "rank": comm.rank,
         "size": comm.size,
         "local_rank": comm.local_rank,

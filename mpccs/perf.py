@@ -25,7 +25,7 @@ import numpy as np
 
 from .config import parse_policy, parse_size
 from .errors import ConfigError
-from .info import code_identity
+from .info import code_identity, versions
 from .reduce import bfloat16_dtype
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce")
@@ -552,12 +552,8 @@ def footer(rows, policies) -> None:
 
 
 def environment(comm, ns) -> dict:
-    from . import __version__
-    from .transports.ucx import ucx_version, ucxx_version
-
     return {
-        "mpccs": __version__, "ucxx": ucxx_version(), "ucx": ucx_version(), "numpy": np.__version__,
-        "python": platform.python_version(), "kernel": platform.release(), "cpu": platform.processor() or platform.machine(),
+        **versions(), "kernel": platform.release(), "cpu": platform.processor() or platform.machine(),
         "nranks": comm.size, "args": vars(ns), "planes": {n: {"tls": p.tls, "devices": p.devices} for n, p in comm._planes.items()},
         "domains": comm.domains, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "code": code_identity(),
     }
