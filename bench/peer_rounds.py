@@ -36,6 +36,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
+from landing_ab import flushing  # noqa: E402
 from stats import host_text, write_results  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
@@ -46,9 +47,13 @@ def run(cmd: list[str], timeout: float) -> None:
     subprocess.run(cmd, check=True, timeout=timeout, env=env, stdout=subprocess.DEVNULL)
 
 
-def times_us(path: str) -> dict[int, float]:
+def rows_of(path: str) -> list[dict]:
     with open(path) as fh:
-        return {r["size"]: r["time_us"] for r in json.load(fh)["rows"]}
+        return json.load(fh)["rows"]
+
+
+def times_us(rows: list[dict]) -> dict[int, float]:
+    return {r["size"]: r["time_us"] for r in rows}
 
 
 MODES = {"out": "out of place", "in": "in place"}
@@ -66,8 +71,10 @@ def one_round(k: int, lo: str, hi: str, iters: str, tmp: str, modes: list[str]) 
                "-n", iters, "-w", "5", "-J", f"{tmp}/mpi{k}{mode}.json", *flag]
         for cmd in ((perf, mpi) if k % 2 == 0 else (mpi, perf)):
             run(cmd, 600)
-        result[mode] = {"mpccs_us": times_us(f"{tmp}/perf{k}{mode}.json"),
-                        "mpi_us": times_us(f"{tmp}/mpi{k}{mode}.json")}
+        ours = rows_of(f"{tmp}/perf{k}{mode}.json")
+        result[mode] = {"mpccs_us": times_us(ours), "mpi_us": times_us(rows_of(f"{tmp}/mpi{k}{mode}.json")),
+                        # whether mpccs's rank 0 flushed where it lands, at each size's end (control/landing.py)
+                        "mpccs_flushing": {r["size"]: flushing(r) for r in ours}}
     return result
 
 
@@ -78,7 +85,9 @@ def report(rounds: list[dict], meta: dict) -> str:
              f"{meta['time']}.", "",
              "Per round: MPICH's median time / mpccs's (> 1: mpccs faster), each library's out-of-place call against "
              "the other's and in-place against in-place. Per size: the median of the rounds' ratios, their range, "
-             "the rounds at >= 1.0x, and each library's median time over all rounds.", ""]
+             "the rounds at >= 1.0x, each library's median time over all rounds, and the rounds in which mpccs's rank 0 "
+             "flushed the lines it lands in at that size (its outboxes to 2 MiB, its in-place landings above: "
+             "docs/design.md; a launch does where those lines are slow to write).", ""]
     for mode in meta["modes"]:
         lines += _mode_table(mode, [r[mode] for r in rounds])
     return "\n".join(lines)
@@ -87,15 +96,16 @@ def report(rounds: list[dict], meta: dict) -> str:
 def _mode_table(mode: str, rounds: list[dict]) -> list[str]:
     sizes = sorted(rounds[0]["mpccs_us"])
     lines = [f"## {MODES[mode]}", "",
-             "| size | mpccs (us) | MPICH (us) | ratio, median of rounds | range | rounds >= 1.0x |",
-             "|---:|---:|---:|---:|---:|---:|"]
+             "| size | mpccs (us) | MPICH (us) | ratio, median of rounds | range | rounds >= 1.0x | mpccs flushed |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
     for s in sizes:
         ours = [r["mpccs_us"][s] for r in rounds]
         theirs = [r["mpi_us"][s] for r in rounds]
         ratios = [m / o for m, o in zip(theirs, ours)]
         wins = sum(x >= 1.0 for x in ratios)
+        flushed = sum(bool(r.get("mpccs_flushing", {}).get(s)) for r in rounds)
         lines.append(f"| {s >> 20} MiB | {np.median(ours):.0f} | {np.median(theirs):.0f} | {np.median(ratios):.2f} | "
-                     f"{min(ratios):.2f}-{max(ratios):.2f} | {wins}/{len(ratios)} |")
+                     f"{min(ratios):.2f}-{max(ratios):.2f} | {wins}/{len(ratios)} | {flushed}/{len(ratios)} |")
     return lines + [""]
 
 
@@ -119,8 +129,9 @@ def main() -> None:
             print(f"# progress: {k + 1}/{args.rounds} rounds", flush=True)
     meta = {"rounds": args.rounds, "iters": args.iters, "modes": modes, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "host": host_text()}
-    payload = {"meta": meta, "rounds": [{mode: {lib: {str(s): t for s, t in times.items()} for lib, times in by_lib.items()}
-                                         for mode, by_lib in r.items()} for r in rounds]}
+    payload = {"meta": meta, "rounds": [{mode: {key: {str(s): v for s, v in per_size.items()}
+                                                for key, per_size in by_key.items()}
+                                         for mode, by_key in r.items()} for r in rounds]}
     write_results(args.out, "rounds.json", payload, "report.md", report(rounds, meta))
 
 

@@ -41,15 +41,25 @@ def test_peer_rounds_report_takes_the_median_of_per_round_ratios():
                     {"mpccs_us": {mib: 100.0}, "mpi_us": {mib: 200.0}},
                     {"mpccs_us": {mib: 250.0}, "mpi_us": {mib: 200.0}}]
     # In place, each library against its own in-place call: MPICH 1.5x, 1.0x, 1.2x mpccs's speed.
-    in_place = [{"mpccs_us": {mib: 100.0}, "mpi_us": {mib: 150.0}},
-                {"mpccs_us": {mib: 120.0}, "mpi_us": {mib: 120.0}},
-                {"mpccs_us": {mib: 100.0}, "mpi_us": {mib: 120.0}}]
+    # mpccs flushed its landings in two of the in-place rounds (rounds.json of older runs has no such key)
+    in_place = [{"mpccs_us": {mib: 100.0}, "mpi_us": {mib: 150.0}, "mpccs_flushing": {mib: True}},
+                {"mpccs_us": {mib: 120.0}, "mpi_us": {mib: 120.0}, "mpccs_flushing": {mib: False}},
+                {"mpccs_us": {mib: 100.0}, "mpi_us": {mib: 120.0}, "mpccs_flushing": {mib: True}}]
     rounds = [{"out": o, "in": i} for o, i in zip(out_of_place, in_place)]
     text = rounds_mod.report(rounds, {"rounds": 3, "iters": "20", "host": "test", "time": "now", "modes": ["out", "in"]})
     out_text, in_text = text.split("## in place")
     assert "## out of place" in out_text
-    assert table_rows(out_text)["1 MiB"] == ["200", "200", "0.80", "0.50-2.00", "1/3"]
-    assert table_rows(in_text)["1 MiB"] == ["100", "120", "1.20", "1.00-1.50", "3/3"]
+    assert table_rows(out_text)["1 MiB"] == ["200", "200", "0.80", "0.50-2.00", "1/3", "0/3"]
+    assert table_rows(in_text)["1 MiB"] == ["100", "120", "1.20", "1.00-1.50", "3/3", "2/3"]
+
+
+def test_peer_rounds_reads_whether_mpccs_flushed_from_its_rows():
+    rounds_mod = load("peer_rounds")
+    mib = 1 << 20
+    landing = {"mode": "auto", "flushing": [2 * mib], "outbox_flushing": [mib // 2], "switches": 2}  # size classes
+    rows = [{"size": mib, "landing": landing}, {"size": 4 * mib, "landing": landing}, {"size": 8 * mib, "landing": landing}]
+    # 1 MiB: through the outboxes, half of it (512 KiB) flushing; 4 MiB: its 2 MiB landing flushing; 8 MiB: not
+    assert {r["size"]: rounds_mod.flushing(r) for r in rows} == {mib: True, 4 * mib: True, 8 * mib: False}
 
 
 def test_two_step_ab_reports_speedup_and_share_of_the_floor():
