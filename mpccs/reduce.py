@@ -7,6 +7,7 @@ tests check this bit for bit against an explicit float32 computation).
 """
 from __future__ import annotations
 
+import functools
 import sys
 
 import numpy as np
@@ -19,6 +20,8 @@ _NUMPY_DTYPE_NAMES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uin
 _NUMPY_DTYPES = frozenset(map(np.dtype, _NUMPY_DTYPE_NAMES))
 SUPPORTED_DTYPE_NAMES = _NUMPY_DTYPE_NAMES + ("bfloat16",)  # the order gives fingerprint codes
 
+
+@functools.lru_cache(maxsize=1)
 def bfloat16_dtype() -> np.dtype:
     """ml_dtypes' bfloat16, imported on first use: its extension takes ~0.6 s to
     load, half of ``import mpccs``, and most programs never touch it."""
