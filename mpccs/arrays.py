@@ -11,7 +11,6 @@ from .reduce import OPS, SUPPORTED_DTYPE_NAMES, is_supported_dtype
 from .staging import is_device_array, sync_current_stream
 
 
-
 def check_array(arr, name: str, *, writable: bool = False) -> np.ndarray:
     """A 1-D view of a C-contiguous numpy array of a supported dtype."""
     if not isinstance(arr, np.ndarray):
