@@ -74,7 +74,9 @@ def one_round(k: int, lo: str, hi: str, iters: str, tmp: str, modes: list[str]) 
         ours = rows_of(f"{tmp}/perf{k}{mode}.json")
         result[mode] = {"mpccs_us": times_us(ours), "mpi_us": times_us(rows_of(f"{tmp}/mpi{k}{mode}.json")),
                         # whether mpccs's rank 0 flushed where it lands, at each size's end (control/landing.py)
-                        "mpccs_flushing": {r["size"]: flushing(r) for r in ours}}
+                        "mpccs_flushing": {r["size"]: flushing(r) for r in ours},
+                        # rank 0's median time per step where the pair reads across processes (cma_steps.py)
+                        "mpccs_steps_us": {r["size"]: r.get("steps_us") for r in ours}}
     return result
 
 
@@ -87,7 +89,9 @@ def report(rounds: list[dict], meta: dict) -> str:
              "the other's and in-place against in-place. Per size: the median of the rounds' ratios, their range, "
              "the rounds at >= 1.0x, each library's median time over all rounds, and the rounds in which mpccs's rank 0 "
              "flushed the lines it lands in at that size (its outboxes to 2 MiB, its in-place landings above: "
-             "docs/design.md; a launch does where those lines are slow to write).", ""]
+             "docs/design.md; a launch does where those lines are slow to write). Where the pair reads across "
+             "processes (from 4 MiB), mpccs's rank 0 per step, medians over the rounds of each round's median: its "
+             "first step (reads and reduction), its landing (the second read), and its waits for the peer.", ""]
     for mode in meta["modes"]:
         lines += _mode_table(mode, [r[mode] for r in rounds])
     return "\n".join(lines)
@@ -96,8 +100,9 @@ def report(rounds: list[dict], meta: dict) -> str:
 def _mode_table(mode: str, rounds: list[dict]) -> list[str]:
     sizes = sorted(rounds[0]["mpccs_us"])
     lines = [f"## {MODES[mode]}", "",
-             "| size | mpccs (us) | MPICH (us) | ratio, median of rounds | range | rounds >= 1.0x | mpccs flushed |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+             "| size | mpccs (us) | MPICH (us) | ratio, median of rounds | range | rounds >= 1.0x | mpccs flushed "
+             "| mpccs first step / landing / waits (us) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---|"]
     for s in sizes:
         ours = [r["mpccs_us"][s] for r in rounds]
         theirs = [r["mpi_us"][s] for r in rounds]
@@ -105,8 +110,20 @@ def _mode_table(mode: str, rounds: list[dict]) -> list[str]:
         wins = sum(x >= 1.0 for x in ratios)
         flushed = sum(bool(r.get("mpccs_flushing", {}).get(s)) for r in rounds)
         lines.append(f"| {s >> 20} MiB | {np.median(ours):.0f} | {np.median(theirs):.0f} | {np.median(ratios):.2f} | "
-                     f"{min(ratios):.2f}-{max(ratios):.2f} | {wins}/{len(ratios)} | {flushed}/{len(ratios)} |")
+                     f"{min(ratios):.2f}-{max(ratios):.2f} | {wins}/{len(ratios)} | {flushed}/{len(ratios)} | "
+                     f"{_steps_cell([r.get('mpccs_steps_us', {}).get(s) for r in rounds])} |")
     return lines + [""]
+
+
+def _steps_cell(per_round: list) -> str:
+    """Medians over the rounds of rank 0's first step, landing and waits (all waits summed); '-' without steps."""
+    steps = [x for x in per_round if x]
+    if not steps:
+        return "-"
+    first = np.median([x.get("first_step", 0.0) for x in steps])
+    landing = np.median([x.get("landing", 0.0) for x in steps])
+    waits = np.median([sum(v for k, v in x.items() if k.startswith("wait")) for x in steps])
+    return f"{first:.0f} / {landing:.0f} / {waits:.0f}"
 
 
 def main() -> None:

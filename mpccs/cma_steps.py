@@ -81,6 +81,12 @@ READ_PARTS_MAX_OUT_BYTES = 16 << 20
 SHAPE_CODES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "all_to_all": 4, "broadcast": 5, "reduce": 6}
 # What each phase waits for: the peer's flags.
 PEER_POSTED, PEER_REDUCED, PEER_DONE, FINISHED = range(4)
+# The steps' timeline (CmaSteps.marks), kept for calls whose input holds at least TIMELINE_FROM_BYTES:
+# six clock reads cost ~0.7 us, under 1% of such a call (~80 us and up), more of the 512 KiB blocks'.
+TIMELINE_FROM_BYTES = 2 << 20
+# Each mark ends an interval, named here (step_times_us).
+INTERVALS = {"peer_posted": "wait_post", "read": "first_step", "peer_reduced": "wait_reduced", "landed": "landing",
+             "done": "wait_finish"}  # (the wait for the peer's last flag: DONE, or REDUCED where there is no landing)
 
 
 class CmaSteps:
@@ -116,6 +122,9 @@ class CmaSteps:
         own[SLOT_SRC], own[SLOT_OUT], own[SLOT_SHAPE] = src.ctypes.data, out.ctypes.data, self.shape
         pair.post_slot(self.slot, SLOT_POSTED, seq)
         self.phase = PEER_POSTED if self.reads else PEER_REDUCED
+        # (name, perf_counter) as each step ends: where a call's time went (step_times_us), the record of a
+        # host's slow spells (docs/design.md); None below TIMELINE_FROM_BYTES
+        self.marks = [("posted", time.perf_counter())] if src.nbytes >= TIMELINE_FROM_BYTES else None
 
     @property
     def done(self) -> bool:
@@ -133,7 +142,9 @@ class CmaSteps:
         if self.phase == PEER_POSTED:
             if peer[SLOT_POSTED] != seq or peer[SLOT_SHAPE] != self.shape:
                 return False
+            self._mark("peer_posted")
             self._first_step(int(peer[SLOT_SRC]), int(peer[SLOT_OUT]))
+            self._mark("read")
             if not self.peer_reads:  # a broadcast's or reduce's reader: nothing of it is read
                 self.phase = FINISHED
                 return True
@@ -142,15 +153,31 @@ class CmaSteps:
             if peer[SLOT_REDUCED] != seq:
                 return moved
             if len(self.steps) == 1:  # the peer is done with this rank's input
-                self.phase = FINISHED
+                self._finish()
                 return True
+            self._mark("peer_reduced")
             self._land_result()
+            self._mark("landed")
             self.pair.post_slot(self.slot, SLOT_DONE, seq)
             self.phase, moved = PEER_DONE, True
         if self.phase == PEER_DONE and peer[SLOT_DONE] == seq:
-            self.phase = FINISHED
+            self._finish()
             return True
         return moved
+
+    def _finish(self) -> None:
+        self.phase = FINISHED
+        self._mark("done")
+
+    def _mark(self, name: str) -> None:
+        """A step ended now (the timeline, where the call keeps one)."""
+        if self.marks is not None:
+            self.marks.append((name, time.perf_counter()))
+
+    def step_times_us(self) -> Optional[dict]:
+        """How long each step took and each wait for the peer lasted, in microseconds, so far
+        (None: a call below TIMELINE_FROM_BYTES keeps no timeline)."""
+        return None if self.marks is None else step_times_us(self.marks)
 
     def abandon(self) -> None:
         """The operation failed: clear the slot before the caller hears of it (a
@@ -240,6 +267,12 @@ class CmaSteps:
             raise self.error(what, self.step) from exc
         if self.pair.peer_slots[self.slot, word] != self.seq:
             raise self.error("the peer left the operation while this rank read its buffers", self.step)
+
+
+def step_times_us(marks: list) -> dict:
+    """CmaSteps.marks as {interval: microseconds} (INTERVALS): the waits for the peer's post,
+    its REDUCED and its last flag, the first step (reads and reduction) and an all_reduce's landing."""
+    return {INTERVALS[name]: (t - t_before) * 1e6 for (_, t_before), (name, t) in zip(marks, marks[1:])}
 
 
 def clear_slot(segments, slot: int) -> None:

@@ -1026,7 +1026,7 @@ class Communicator:
             failure, done, met = exc, False, True
         if done:
             self._finished_alone(name, seq, kind.peer_bytes(name, send, self.rank, root, self.size), t_start,
-                                 kind.algorithm, finalize)
+                                 kind.algorithm, finalize, getattr(steps, "marks", None))
             return result
         dop = kind(engine, seq, send, out, op, self.size, fp, finalize, name, **extra,
                    started=StartedSteps(steps, met, t_start))
@@ -1038,13 +1038,15 @@ class Communicator:
         self._wait_usable(dop, None)
         return result
 
-    def _finished_alone(self, name: str, seq: int, nbytes: int, t_start: float, algorithm: str, finalize) -> None:
+    def _finished_alone(self, name: str, seq: int, nbytes: int, t_start: float, algorithm: str, finalize,
+                        marks: Optional[list] = None) -> None:
         """A call that ran without an operation (the lane's exchange, steps run alone)
-        is done: its finalize, its counts, and a record built only if asked."""
+        is done: its finalize, its counts, and a record built only if asked (with the
+        steps' timeline where they keep one: ``marks``)."""
         if finalize is not None:
             finalize()
         self._telemetry.counters.count_light(name, {UP: nbytes, OUT: 0})
-        self._last_stats = LightRecord(name, seq, nbytes, t_start, time.perf_counter(), algorithm)
+        self._last_stats = LightRecord(name, seq, nbytes, t_start, time.perf_counter(), algorithm, marks)
 
     def _direct_fingerprint(self, name, op, send, algorithm: str, root):
         """A direct or lane call's fingerprint (None: fingerprints off)."""

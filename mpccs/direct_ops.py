@@ -11,7 +11,7 @@ from typing import Callable, NamedTuple, Optional
 import numpy as np
 
 from . import wire
-from .cma_steps import CmaSteps
+from .cma_steps import CmaSteps, step_times_us
 from .errors import ProtocolError, TransportError
 from .fingerprint import Fingerprint
 from .operation import FP_BYTES, Operation, check_fingerprint
@@ -599,6 +599,7 @@ class DirectShmAllReduceOp(SegmentMeetingOp):
         super().__init__(engine, seq, send, out, op, fingerprint, finalize, name, segments=segments, peers=peers)
         # (self.mine: the steps read each half before anything writes over it)
         self._steps = None
+        self._marks = None  # the steps' timeline once they are let go (CmaSteps.marks; ShmSteps keep none)
         if started is None:
             self._start_steps()
         else:
@@ -666,7 +667,15 @@ class DirectShmAllReduceOp(SegmentMeetingOp):
 
     def _let_go_of_arrays(self) -> None:
         super()._let_go_of_arrays()
+        self._marks = getattr(self._steps, "marks", None)  # the steps' timeline outlives them (stats)
         self._steps = None
+
+    def stats(self) -> dict:
+        out = super().stats()
+        marks = getattr(self._steps, "marks", None) if self._steps is not None else self._marks
+        if marks is not None:
+            out["steps_us"] = step_times_us(marks)
+        return out
 
     def _release(self) -> None:
         if self.engine.shm_holder is self:
@@ -775,22 +784,26 @@ class LightRecord:
     Also what the Work of an async call that finished at once holds: an
     operation finished without error, as Work and Engine.wait read one."""
 
-    __slots__ = ("name", "seq", "nbytes", "t_start", "t_end", "algorithm")
+    __slots__ = ("name", "seq", "nbytes", "t_start", "t_end", "algorithm", "marks")
     finished, error, posts_when_built = True, None, False
 
-    def __init__(self, name: str, seq: int, nbytes: int, t_start: float, t_end: float, algorithm: str):
+    def __init__(self, name: str, seq: int, nbytes: int, t_start: float, t_end: float, algorithm: str,
+                 marks: Optional[list] = None):
         self.name, self.seq, self.nbytes, self.t_start, self.t_end = name, seq, nbytes, t_start, t_end
-        self.algorithm = algorithm
+        self.algorithm, self.marks = algorithm, marks  # marks: the steps' timeline (cma_steps.CmaSteps.marks)
 
     @property
     def bytes_per_plane(self) -> dict:
         return {UP: self.nbytes, OUT: 0}
 
     def stats(self) -> dict:
-        return {"op": self.name, "seq": self.seq, "duration_s": self.t_end - self.t_start,
-                "t_start_wall": wall(self.t_start), "bytes_per_plane": self.bytes_per_plane,
-                "algorithm": self.algorithm, "channels": 1, "policy": "direct", "stages": [],
-                "slept_for_peer": False, "rang_peer": False}
+        out = {"op": self.name, "seq": self.seq, "duration_s": self.t_end - self.t_start,
+               "t_start_wall": wall(self.t_start), "bytes_per_plane": self.bytes_per_plane,
+               "algorithm": self.algorithm, "channels": 1, "policy": "direct", "stages": [],
+               "slept_for_peer": False, "rang_peer": False}
+        if self.marks is not None:
+            out["steps_us"] = step_times_us(self.marks)
+        return out
 
 
 class DirectReduceScatterOp(DirectAllReduceOp):

@@ -229,8 +229,12 @@ def iteration_order(policies, iteration: int) -> list:
 
 
 def measure(comm, case: Case, policies, iters: int, warmup: int):
+    """Per policy: every iteration's time (the slowest rank's), this rank's share on 'up' per
+    iteration, and its last call's record with ``steps_us`` replaced by each step's median
+    over the iterations (where the pair's steps kept a timeline: cma_steps.step_times_us)."""
     times = {p: [] for p in policies}
     shares = {p: [] for p in policies}
+    steps = {p: [] for p in policies}
     last = {}
     for _ in range(warmup):
         for p in policies:
@@ -242,8 +246,19 @@ def measure(comm, case: Case, policies, iters: int, warmup: int):
             bpp = stats.get("bytes_per_plane", {})
             total = sum(bpp.values())
             shares[p].append(bpp.get("up", 0) / total if total else float("nan"))
+            if "steps_us" in stats:
+                steps[p].append(stats["steps_us"])
             last[p] = stats
+    for p, per_call in steps.items():
+        if per_call:
+            last[p] = {**last[p], "steps_us": median_steps(per_call)}
     return {p: slowest(comm, times[p]) for p in policies}, shares, last
+
+
+def median_steps(per_call: list[dict]) -> dict:
+    """Each step's median over the calls that had it, in microseconds."""
+    names = dict.fromkeys(name for call in per_call for name in call)
+    return {name: float(np.median([call[name] for call in per_call if name in call])) for name in names}
 
 
 def cpu_ticks() -> tuple[int, int] | None:
@@ -492,6 +507,8 @@ def make_row(comm, case, ns, policy, times, shares, stats, wrong) -> dict:
         "nranks": comm.size,
         "plan_rates": comm.plan_rates,  # what the tuner planned by at the point's end (stated, priors, measured)
         "landing": comm.landing,  # rank 0's landing flush choice at the point's end (control/landing.py)
+        # rank 0's steps on a pair that reads across processes, medians (cma_steps.step_times_us); else None
+        "steps_us": stats.get("steps_us"),
     }
 
 

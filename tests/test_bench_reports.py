@@ -42,15 +42,21 @@ def test_peer_rounds_report_takes_the_median_of_per_round_ratios():
                     {"mpccs_us": {mib: 250.0}, "mpi_us": {mib: 200.0}}]
     # In place, each library against its own in-place call: MPICH 1.5x, 1.0x, 1.2x mpccs's speed.
     # mpccs flushed its landings in two of the in-place rounds (rounds.json of older runs has no such key)
-    in_place = [{"mpccs_us": {mib: 100.0}, "mpi_us": {mib: 150.0}, "mpccs_flushing": {mib: True}},
-                {"mpccs_us": {mib: 120.0}, "mpi_us": {mib: 120.0}, "mpccs_flushing": {mib: False}},
-                {"mpccs_us": {mib: 100.0}, "mpi_us": {mib: 120.0}, "mpccs_flushing": {mib: True}}]
+    # and its steps in two rounds (None: a size below the reads across processes, or an older run)
+    steps = {"wait_post": 2.0, "first_step": 60.0, "wait_reduced": 3.0, "landing": 30.0, "wait_finish": 5.0}
+    in_place = [{"mpccs_us": {mib: 100.0}, "mpi_us": {mib: 150.0}, "mpccs_flushing": {mib: True},
+                 "mpccs_steps_us": {mib: steps}},
+                {"mpccs_us": {mib: 120.0}, "mpi_us": {mib: 120.0}, "mpccs_flushing": {mib: False},
+                 "mpccs_steps_us": {mib: {**steps, "first_step": 80.0, "landing": 20.0, "wait_finish": 9.0}}},
+                {"mpccs_us": {mib: 100.0}, "mpi_us": {mib: 120.0}, "mpccs_flushing": {mib: True},
+                 "mpccs_steps_us": {mib: None}}]
     rounds = [{"out": o, "in": i} for o, i in zip(out_of_place, in_place)]
     text = rounds_mod.report(rounds, {"rounds": 3, "iters": "20", "host": "test", "time": "now", "modes": ["out", "in"]})
     out_text, in_text = text.split("## in place")
     assert "## out of place" in out_text
-    assert table_rows(out_text)["1 MiB"] == ["200", "200", "0.80", "0.50-2.00", "1/3", "0/3"]
-    assert table_rows(in_text)["1 MiB"] == ["100", "120", "1.20", "1.00-1.50", "3/3", "2/3"]
+    assert table_rows(out_text)["1 MiB"] == ["200", "200", "0.80", "0.50-2.00", "1/3", "0/3", "-"]
+    # first step median(60, 80) = 70, landing median(30, 20) = 25, waits median(10, 14) = 12
+    assert table_rows(in_text)["1 MiB"] == ["100", "120", "1.20", "1.00-1.50", "3/3", "2/3", "70 / 25 / 12"]
 
 
 def test_peer_rounds_reads_whether_mpccs_flushed_from_its_rows():

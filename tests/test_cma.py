@@ -179,6 +179,38 @@ def test_reads_reduce_in_parts(monkeypatch, collective, in_place):
     assert sum(1 for b in reads if b <= 4096) >= 10, reads  # (whole: one read of 40 KiB per reader)
 
 
+@pytest.mark.parametrize("collective, intervals", [
+    ("all_reduce", ["wait_post", "first_step", "wait_reduced", "landing", "wait_finish"]),
+    ("reduce_scatter", ["wait_post", "first_step", "wait_finish"])])
+def test_the_steps_keep_a_timeline_of_each_step_and_wait(monkeypatch, collective, intervals):
+    """Each step's end is marked as it happens (CmaSteps.marks): the waits for the peer,
+    the first step (reads and reduction), an all_reduce's landing; in order, and what
+    step_times_us reports, every interval once. Below TIMELINE_FROM_BYTES (lowered to the
+    input's size here) a call keeps none."""
+    n = 4000
+    monkeypatch.setattr(cma_steps, "TIMELINE_FROM_BYTES", 2 * n * 4)
+    ins = _operands(2 * n)
+    outs = ([np.empty(2 * n, np.float32) for _ in range(2)] if collective == "all_reduce"
+            else [np.empty(n, np.float32) for _ in range(2)])
+    pairs = _pairs()
+    steps = [_steps(pairs[r], r, collective, ins[r], outs[r], 5) for r in range(2)]
+    for _ in range(4):
+        for s in steps:
+            s.advance()
+    for s in steps:
+        assert s.done
+        times = [t for _, t in s.marks]
+        assert times == sorted(times) and s.marks[0][0] == "posted"
+        got = s.step_times_us()
+        assert list(got) == intervals and all(v >= 0 for v in got.values())
+        assert abs(sum(got.values()) - (times[-1] - times[0]) * 1e6) < 1e-3
+    assert cma_steps.step_times_us([("posted", 1.0), ("done", 1.5)]) == {"wait_finish": 500000.0}
+    src = ins[0][:-2]  # one element a half less: under the bound
+    out = np.empty(src.size if collective == "all_reduce" else src.size // 2, np.float32)
+    small = _steps(_pairs()[0], 0, collective, src, out, 6)
+    assert small.marks is None and small.step_times_us() is None
+
+
 def test_large_blocks_out_of_place_are_read_whole(monkeypatch):
     """Out of place, a block above READ_PARTS_MAX_OUT_BYTES (lowered to 8 KiB) is read in one go."""
     monkeypatch.setattr(cma_steps, "READ_PART_BYTES", 4096)

@@ -44,7 +44,8 @@ def test_table_json_and_no_wrong_elements(tmp_path, collective):
     assert f"# code: {code_identity()['path']} (sources {code_identity()['sources']})" in p.stdout
     for row in data["rows"]:
         assert {"collective", "size", "count", "type", "redop", "root", "policy", "time_us", "algbw", "busbw",
-                "wrong", "up_share", "algorithm", "channels", "times_us", "steal", "landing"} <= set(row)
+                "wrong", "up_share", "algorithm", "channels", "times_us", "steal", "landing", "steps_us"} <= set(row)
+        assert row["steps_us"] is None  # (a timeline only where the pair reads across processes: from 2 MiB)
         # the landing flush choice (None: a pair that does not read across processes); nothing here lands in place
         assert row["landing"] is None or row["landing"] == {"mode": "auto", "flushing": [], "outbox_flushing": [],
                                                             "switches": 0}
@@ -317,3 +318,25 @@ def test_info_reports_the_stated_plane_rates():
                        env=dict(clean_env(), MPCCS_PLANE_RATES="out=1gbit"))
     assert p.returncode == 0, p.stderr
     assert "# plane rates the tuner plans by: up=5000 MB/s  out=125 MB/s (MPCCS_PLANE_RATES)" in p.stdout, p.stdout
+
+
+def test_rows_of_a_pair_that_reads_across_processes_carry_its_steps(tmp_path):
+    """A 2-rank all_reduce above 2 MiB reads its halves across processes (cma_steps.py):
+    its rows carry rank 0's median time per step, in place and out of place."""
+    from mpccs.transports import cma, shm
+
+    if not (shm.supported() and cma.available()):
+        pytest.skip("cross-memory reads need x86-64 Linux with process_vm_readv")
+    for in_place in (False, True):
+        out = tmp_path / f"steps{int(in_place)}.json"
+        p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "2", "--no-prefix", os.path.join(BIN, "mpccs-perf"),
+                            "all_reduce", "-b", "4M", "-e", "4M", "-n", "3", "-w", "1", "--path", "up", "-J", str(out),
+                            *(["--in-place"] if in_place else [])],
+                           env=clean_env(), capture_output=True, text=True, timeout=180)
+        assert p.returncode == 0, p.stdout + p.stderr
+        row, = json.loads(out.read_text())["rows"]
+        assert row["algorithm"] == "direct_shm" and row["wrong"] == 0
+        steps = row["steps_us"]
+        assert set(steps) == {"wait_post", "first_step", "wait_reduced", "landing", "wait_finish"}, steps
+        assert steps["first_step"] > 0 and steps["landing"] > 0 and min(steps.values()) >= 0
+        assert sum(steps.values()) <= row["time_us_p90"] * 1.5  # the steps are inside the call (rank 0's own)
