@@ -82,7 +82,8 @@ SHAPE_CODES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "all_to_al
 # What each phase waits for: the peer's flags.
 PEER_POSTED, PEER_REDUCED, PEER_DONE, FINISHED = range(4)
 # The steps' timeline (CmaSteps.marks), kept for calls whose input holds at least TIMELINE_FROM_BYTES:
-# six clock reads cost ~0.7 us, under 1% of such a call (~80 us and up), more of the 512 KiB blocks'.
+# six clock reads cost ~0.7 us, under 1% of such a call (~80 us and up); smaller ones (a reduce_scatter's
+# 512 KiB blocks) keep none.
 TIMELINE_FROM_BYTES = 2 << 20
 # Each mark ends an interval, named here (step_times_us).
 INTERVALS = {"peer_posted": "wait_post", "read": "first_step", "peer_reduced": "wait_reduced", "landed": "landing",
