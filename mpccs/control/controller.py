@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Mapping, NamedTuple, Optional, Sequence
 
 from . import qos
+from .damping import BoundaryDamping
 from .estimator import PLANES, Estimator, EstimateView, PathEstimate, window_bytes
 from .split import FlowDemand, PathModel, SplitFlow, finish_times, solve_coflow
 
@@ -75,6 +76,10 @@ class ControlConfig:
     # _whole_chunks): one chunk of a stage's flow moves its time by ~8% on the
     # testbed, so 0.05 let estimate noise flip between the two.
     chunk_hysteresis: float = 0.10
+    # Flap damping of that boundary (damping.py): two reversals within this many
+    # decisions of the flow damp it, and a move to more bytes on 'out' then waits
+    # until step_down_samples + 2 decisions in a row ask for it. 0: off.
+    flap_half_life: float = 64.0
     # Negative-value detection and re-probing.
     probe_every: int = 16          # decisions between re-probes of a dropped plane (and between checks)
     # Start with 'out' dropped for in-domain flows and let a probe bring it in:
@@ -144,6 +149,8 @@ class ControlConfig:
             raise ValueError("coflow_slack must be >= 0")
         if self.window_gain <= 0:
             raise ValueError("window_gain must be > 0")
+        if self.flap_half_life < 0:
+            raise ValueError("flap_half_life must be >= 0 (0: no flap damping)")
         for plane in PLANES:
             if self.prior_rate_Bps.get(plane, 0) <= 0 or self.prior_delay_s.get(plane, -1) < 0:
                 raise ValueError(f"prior_rate_Bps/prior_delay_s need a positive value for plane {plane!r}")
@@ -316,6 +323,13 @@ class PathController:
         self._remote_grid_gcd = 0                     # their greatest common divisor (0: none heard)
         self._shares: dict[tuple, float] = {}         # (src, dst, size class) -> share on 'out'
         self._boundaries: dict[tuple, float] = {}     # (src, dst, size class) -> bytes on 'out' after _whole_chunks
+        # A move to more bytes on 'out' is taken while damped once it outlasts a
+        # spike of the estimate, which the filter keeps until step_down_samples
+        # slower samples (next to a paced flow: 4 decisions at 48-55 MB/s
+        # against 33-37, and moves that waited 4 came back 3-10 decisions later).
+        self._flap_notes: dict[int, str] = {}
+        self._flaps = (BoundaryDamping(cfg.flap_half_life, confirm=cfg.step_down_samples + 2)
+                       if cfg.flap_half_life > 0 else None)
         self._events: deque = deque(maxlen=64)
         self._events_total = 0  # events ever appended (take_events hands out the ones since its last call)
         self._events_taken = 0
@@ -429,6 +443,7 @@ class PathController:
             split = solve_coflow(split_in, models, slack)
 
         out_real, settled = {}, {s: True for s in srcs}
+        self._flap_notes = {}  # flow id -> "damped" / "held" (a move refused), for the reason
         links_by_flow = {x.flow_id: x.links for x in split_in}
         loads_beside = _loads_beside(flows, split.out_bytes)
         timing = {f.flow_id: _FlowTiming(models[f.src], links_by_flow[f.flow_id], loads_beside[f.flow_id])
@@ -698,7 +713,8 @@ class PathController:
         (testbed series, alternating runs). A boundary two chunks off the
         target is never kept, so the cost is bounded by one chunk and 10%.
         Only a regular multipath split moves; probes and checks keep their
-        measured amounts.
+        measured amounts. A boundary that flaps is damped (damping.py): its
+        moves to more bytes on 'out' wait until they persist.
 
         A boundary is timed on the sender's ports, with the bytes its other
         flows put on each plane (``beside``). Timed on the flow's own links, the
@@ -733,6 +749,10 @@ class PathController:
         prev = self._boundaries.get(key)
         if prev in candidates and flow_time(prev) <= flow_time(best) * (1 + self.config.chunk_hysteresis):
             best = prev
+        if self._flaps is not None:
+            picked, best = best, self._flaps.choose(key, prev, best)
+            if self._flaps.damped(key):
+                self._flap_notes[f.flow_id] = "held" if best != picked else "damped"
         self._remember(key, best, self._boundaries)
         return best
 
@@ -834,7 +854,10 @@ class PathController:
         if len(flows) <= 64:
             reason["flows"] = {str(f.flow_id): {"target_out": round(split.out_bytes.get(f.flow_id, 0.0)),
                                                 "out": f.nbytes - up_bytes[f.flow_id],
-                                                "cap": caps[f.flow_id]} for f in flows}
+                                                "cap": caps[f.flow_id],
+                                                **({"flap": self._flap_notes[f.flow_id]}
+                                                   if f.flow_id in self._flap_notes else {})}
+                                for f in flows}
         return reason
 
     def _single_plane_times(self, own, own_in, ports, src) -> dict[str, float]:
