@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Mapping, NamedTuple, Optional, Sequence
 
 from . import qos
+from .bounded import remember
 from .damping import BoundaryDamping
 from .estimator import PLANES, Estimator, EstimateView, PathEstimate, window_bytes
 from .split import FlowDemand, PathModel, SplitFlow, finish_times, solve_coflow
@@ -667,7 +668,7 @@ class PathController:
             return target_out, True
         target = target_out / n
         if len(allowed) < 2:
-            self._remember(key, target)
+            remember(self._shares, key, target)
             return target_out, True
         prev = self._shares.get(key)
 
@@ -684,15 +685,8 @@ class PathController:
             share = prev
         else:
             share = prev + max(-cfg.max_step, min(cfg.max_step, target - prev))
-        self._remember(key, share)
+        remember(self._shares, key, share)
         return share * n, in_band(share)
-
-    def _remember(self, key: tuple, share: float, store: Optional[dict] = None) -> None:
-        store = self._shares if store is None else store
-        store.pop(key, None)
-        store[key] = share
-        if len(store) > 4096:  # bounded memory: forget the least recently used pair
-            store.pop(next(iter(store)))
 
     def _whole_chunks(self, f: FlowDemand, out: float, mode: _Mode, allowed: tuple[str, ...],
                       timing: "_FlowTiming") -> float:
@@ -753,7 +747,7 @@ class PathController:
             picked, best = best, self._flaps.choose(key, prev, best)
             if self._flaps.damped(key):
                 self._flap_notes[f.flow_id] = "held" if best != picked else "damped"
-        self._remember(key, best, self._boundaries)
+        remember(self._boundaries, key, best)
         return best
 
     def _apply_probe(self, f: FlowDemand, out: float, mode: _Mode, allowed: tuple[str, ...]) -> float:

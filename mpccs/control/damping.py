@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-MAX_FLOWS = 4096
+from .bounded import remember
 
 
 @dataclass
@@ -44,8 +44,7 @@ class _Flaps:
     penalty: float = 0.0
     damped: bool = False
     last_move: int = 0           # +1: the last move put more bytes on 'out', -1: fewer, 0: none yet
-    at: Optional[float] = None   # the boundary of the last decision ...
-    stayed: int = 0              # ... and for how many decisions in a row
+    stayed: int = 0              # decisions in a row on the current boundary
     settled: Optional[float] = None  # the last boundary that stayed ``confirm`` decisions or more
     hold: float = 0.0            # damped: moves up to this many bytes on 'out' are free, above it they wait
     refused: list = field(default_factory=list)  # the picks above ``hold`` refused in a row
@@ -66,18 +65,16 @@ class BoundaryDamping:
         self._flows: dict[tuple, _Flaps] = {}
 
     def choose(self, key: tuple, prev: Optional[float], best: float) -> float:
-        """The bytes on 'out' to use, given the previous boundary (None: the first
-        decision) and the one the model and the hysteresis picked."""
-        st = self._flows.pop(key, None) or _Flaps()
-        self._flows[key] = st
-        if len(self._flows) > MAX_FLOWS:  # bounded memory: forget the least recently decided flow
-            self._flows.pop(next(iter(self._flows)))
+        """The bytes on 'out' to use, given the previous boundary (what this returned
+        last time for the flow; None: its first decision) and the one the model and
+        the hysteresis picked."""
+        st = self._flows.get(key) or _Flaps()
+        remember(self._flows, key, st)
         st.penalty *= 0.5 ** (1.0 / self.half_life)
         if st.damped and st.penalty < self.reuse:
             st.damped = False
         chosen = self._choose(st, prev, best)
-        st.stayed = st.stayed + 1 if chosen == st.at else 1
-        st.at = chosen
+        st.stayed = st.stayed + 1 if chosen == prev else 1
         if st.stayed >= self.confirm:  # longer than a swing of the estimate lasts
             st.settled = chosen
             if st.damped:
