@@ -37,7 +37,10 @@ class ScriptedSteps:
 
 @pytest.fixture
 def pairs(monkeypatch):
-    monkeypatch.setattr(direct_ops, "PEER_SPIN_S", 2e-3)
+    # Long enough that a case which must not hand over never does, even with the
+    # process descheduled between two looks (a VM's stolen time); the cases that
+    # time out on purpose shorten it (short_spin).
+    monkeypatch.setattr(direct_ops, "PEER_SPIN_S", 1.0)
     a, b = (mmap.mmap(-1, SEGMENT_BYTES) for _ in range(2))
     return ShmPair(a, b), ShmPair(b, a)
 
@@ -49,7 +52,12 @@ def test_the_steps_run_to_the_end_once_the_peer_published_the_same_fingerprint(p
     assert steps.done and steps.advances == 4
 
 
-def test_a_peer_not_there_is_left_to_the_operation_after_peer_spin_s(pairs):
+@pytest.fixture
+def short_spin(monkeypatch):
+    monkeypatch.setattr(direct_ops, "PEER_SPIN_S", 2e-3)
+
+
+def test_a_peer_not_there_is_left_to_the_operation_after_peer_spin_s(pairs, short_spin):
     steps = ScriptedSteps("last")
     start = time.perf_counter()
     assert run_steps_alone(pairs[0], 5, steps, FP) == (False, False)
@@ -74,7 +82,7 @@ def test_without_fingerprints_only_the_peers_arrival_is_looked_at(pairs):
     assert run_steps_alone(pairs[0], 5, ScriptedSteps("last"), None) == (True, True)
 
 
-def test_a_step_that_waits_longer_is_handed_over_met(pairs):
+def test_a_step_that_waits_longer_is_handed_over_met(pairs, short_spin):
     pairs[1].post_fingerprint(FP.encode(), 5)
     steps = ScriptedSteps("move", "move")  # then the peer's next flag never comes
     start = time.perf_counter()
