@@ -62,10 +62,12 @@ def test_peer_rounds_report_takes_the_median_of_per_round_ratios():
 def test_peer_rounds_reads_whether_mpccs_flushed_from_its_rows():
     rounds_mod = load("peer_rounds")
     mib = 1 << 20
-    landing = {"mode": "auto", "flushing": [2 * mib], "outbox_flushing": [mib // 2], "switches": 2}  # size classes
-    rows = [{"size": mib, "landing": landing}, {"size": 4 * mib, "landing": landing}, {"size": 8 * mib, "landing": landing}]
-    # 1 MiB: through the outboxes, half of it (512 KiB) flushing; 4 MiB: its 2 MiB landing flushing; 8 MiB: not
-    assert {r["size"]: rounds_mod.flushing(r) for r in rows} == {mib: True, 4 * mib: True, 8 * mib: False}
+    landing = {"mode": "auto", "flushing": [2 * mib, 8 * mib], "outbox_flushing": [mib // 2], "switches": 2}
+    rows = [{"size": k * mib, "landing": landing} for k in (1, 4, 8, 16)]
+    # Each the size class of half the call. 1 MiB: through the outboxes, 512 KiB flushing; 4 MiB: through
+    # the outboxes too, 2 MiB not flushing there (the 2 MiB in "flushing" is a landing's); 8 MiB: read
+    # across processes, its 4 MiB landing not flushing; 16 MiB: its 8 MiB landing flushing.
+    assert {r["size"] // mib: rounds_mod.flushing(r) for r in rows} == {1: True, 4: False, 8: False, 16: True}
 
 
 def test_two_step_ab_reports_speedup_and_share_of_the_floor():

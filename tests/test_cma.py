@@ -387,8 +387,8 @@ def pool():
 # give unequal halves
 CALLS = [
     (DIRECT_CMA_FROM_BYTES + 4, "float32", "sum", False),
-    (3 * MIB + 2, "float16", "max", True),
-    (4 * MIB, "bfloat16", "sum", False),
+    (4 * MIB + 2, "float16", "max", True),
+    (6 * MIB, "bfloat16", "sum", False),
     (5 * MIB + 8, "int64", "prod", True),
     (8 * MIB, "float64", "avg", False),
     (20 * MIB, "float32", "min", True),  # in place, halves over the kept buffer: read in two parts
@@ -438,6 +438,32 @@ def test_flushed_landings_keep_the_in_place_results_exact(pool):
 def test_direct_all_reduce_reads_its_halves_bit_exactly(pool, policy):
     for per_rank in pool.run(direct_reads, policy):
         assert per_rank == [("direct_shm", True)] * len(CALLS), per_rank
+
+
+def around_the_outboxes_bound(comm):
+    """float32 all_reduce of 4 MiB - 4 bytes (unequal halves, the larger 2 MiB), 4 MiB (two full
+    outboxes) and 4 MiB + 4, out of place and in place: (bytes, in place, algorithm, read
+    across processes (the steps' timeline, which only the reads keep), exact)."""
+    rows = []
+    for nbytes in (DIRECT_CMA_FROM_BYTES - 4, DIRECT_CMA_FROM_BYTES, DIRECT_CMA_FROM_BYTES + 4):
+        for in_place in (False, True):
+            n = nbytes // 4
+            x = inputs(comm.rank, n, "float32")
+            got = x if in_place else np.full_like(x, 7)
+            comm.all_reduce(x, None if in_place else got)
+            stats = comm.last_stats()
+            rows.append((nbytes, in_place, stats["algorithm"], "steps_us" in stats,
+                         got.tobytes() == reference(n, "float32", "sum").tobytes()))
+    return rows
+
+
+def test_halves_that_fit_the_outboxes_go_through_them_and_larger_ones_are_read(pool):
+    # Where both ways work the outboxes won at 3-4 MiB (bench/results/outbox_4m_s52/).
+    assert DIRECT_CMA_FROM_BYTES == 2 * shm.OUTBOX_BYTES
+    for rows in pool.run(around_the_outboxes_bound):
+        assert [(nbytes - DIRECT_CMA_FROM_BYTES, reads) for nbytes, _, _, reads, _ in rows] == \
+            [(-4, False), (-4, False), (0, False), (0, False), (4, True), (4, True)], rows
+        assert all(algorithm == "direct_shm" and exact for _, _, algorithm, _, exact in rows), rows
 
 
 def beyond_and_besides(comm):

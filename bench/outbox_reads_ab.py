@@ -1,0 +1,81 @@
+"""Where a 2-rank all_reduce's halves fit the outboxes: through them, or read
+across processes (direct_ops.DIRECT_CMA_FROM_BYTES)?
+
+    mpccs-run -n 2 --no-prefix python bench/outbox_reads_ab.py --out bench/results/outbox_4m_s52
+
+Float32, policy 'adaptive' as shipped, default planes, on a pair that reads
+across processes, at 3 and 4 MiB (halves of 1.5 and 2 MiB: the outbox holds
+2), out of place and in place. Each iteration times a block of back-to-back
+calls three ways, interleaved: read across processes (cma_steps.py; the
+shipped path above 4 MiB), through the outboxes (shm_steps.py; the shipped
+path to 4 MiB) and read again (the A/A floor). The way is switched on both
+ranks between the same calls by DIRECT_CMA_FROM_BYTES; one call each way
+precedes every timed block. Per-op time = block time / block length, max
+across ranks. Writes outbox_reads.json and a section of report.md under --out.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+import mpccs
+from mpccs import direct_ops
+
+sys.path.insert(0, os.path.dirname(__file__))
+from stats import ab_cells, ab_meta, ab_parser, ab_report_head, interleaved_modes, time_block  # noqa: E402
+from stats import write_ab_results  # noqa: E402
+
+MIB = 1 << 20
+SIZES = (3 * MIB, 4 * MIB)
+# DIRECT_CMA_FROM_BYTES per way: below the size reads, at it the outboxes carry the call.
+WAYS = {"reads": 2 * MIB, "outboxes": 4 * MIB, "reads_again": 2 * MIB}
+
+
+def measure(comm, nbytes: int, in_place: bool, args) -> dict:
+    x = (np.arange(nbytes // 4) % 7).astype(np.float32)
+    out = np.empty_like(x)
+    # In place "max" keeps the operand's values (a sum would double them into inf).
+    call = (lambda: comm.all_reduce(x, op="max")) if in_place else (lambda: comm.all_reduce(x, out))
+
+    def time_way(way: str) -> float:
+        direct_ops.DIRECT_CMA_FROM_BYTES = WAYS[way]
+        call()
+        return time_block(comm, call, args.block)
+
+    times, ran = interleaved_modes(comm, list(WAYS), time_way, args.iters, args.warmup)
+    return {"size": nbytes, "in_place": in_place, "algorithm": ran["reads"], "times_s": times}
+
+
+def main() -> None:
+    args = ab_parser(__doc__, block=5).parse_args()
+    shipped = direct_ops.DIRECT_CMA_FROM_BYTES
+    comm = mpccs.init()
+    if not (comm.size == 2 and comm._engine.shm is not None and comm._engine.shm.cma):
+        sys.exit("needs 2 ranks on one host whose pair reads across processes")
+    rows = []
+    try:
+        for in_place in (False, True):
+            for nbytes in SIZES:
+                rows.append(measure(comm, nbytes, in_place, args))
+                if comm.rank == 0:
+                    print(f"# progress: {'in place' if in_place else 'out of place'} {nbytes >> 20} MiB", flush=True)
+    finally:
+        direct_ops.DIRECT_CMA_FROM_BYTES = shipped
+    if comm.rank == 0:
+        meta = ab_meta(comm, args, mpccs.__version__)
+        lines = ab_report_head("Outboxes against reads across processes (2-rank all_reduce, float32)", meta,
+                               "| size | in place | reads (us) | outboxes (us) | reads / outboxes | A/A floor |",
+                               "|---:|---|---:|---:|---:|---:|")
+        for row in rows:
+            lines.append(f"| {row['size'] >> 20} MiB | {'yes' if row['in_place'] else 'no'} | "
+                         + ab_cells(row["times_s"], "reads", "outboxes", "reads_again") + " |")
+        lines += ["", "reads / outboxes: the reads' time over the outboxes' (> 1: the outboxes faster), "
+                  "paired 95% interval; the floor: reads against reads again."]
+        write_ab_results(args.out, "outbox_reads.json", meta, rows, lines)
+    comm.close()
+
+
+if __name__ == "__main__":
+    main()
