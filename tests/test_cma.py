@@ -630,7 +630,7 @@ def test_direct_reads_in_flight_together_complete_exactly(pool):
 
 
 def pair_state(comm):
-    x = np.full(MIB, float(comm.rank + 1), np.float32)  # 4 MiB: direct reads, or the two-step executor
+    x = np.full(2 * MIB, float(comm.rank + 1), np.float32)  # 8 MiB: direct reads, or the two-step executor
     comm.set_path_policy("up")
     comm.all_reduce(x)
     pair = comm._engine.shm

@@ -58,14 +58,14 @@ def mismatched(comm, kind):
                 time.sleep(0.3)
             comm.all_reduce(np.ones((1 << 18) + 2 * r, np.float32))
         elif kind == "cma_size":  # both direct, halves read across processes: shapes differ, nothing is read
-            comm.all_reduce(np.ones((1 << 20) + 2 * r, np.float32))
+            comm.all_reduce(np.ones((2 << 20) + 2 * r, np.float32))
         elif kind == "cma_dtype":  # the same bytes: the reads happen, the fingerprint still fails both
-            comm.all_reduce(np.ones(1 << 20, np.float32 if r == 0 else np.int32))
-        elif kind == "cma_all_reduce_vs_rs":  # both read across processes, 4 MiB inputs: the shapes name the collective
+            comm.all_reduce(np.ones(2 << 20, np.float32 if r == 0 else np.int32))
+        elif kind == "cma_all_reduce_vs_rs":  # both read across processes, 8 MiB inputs: the shapes name the collective
             if r == 0:
-                comm.all_reduce(np.ones(1 << 20, np.float32))
+                comm.all_reduce(np.ones(2 << 20, np.float32))
             else:
-                comm.reduce_scatter(np.ones(1 << 20, np.float32), np.empty(1 << 19, np.float32))
+                comm.reduce_scatter(np.ones(2 << 20, np.float32), np.empty(1 << 20, np.float32))
         elif kind == "cma_gather_size":  # all_gather blocks of 2 MiB against 2 MiB + 8 bytes, both read
             n = (1 << 19) + 2 * r
             comm.all_gather(np.ones(n, np.float32), np.empty(2 * n, np.float32))

@@ -2,7 +2,7 @@
 
 Each survivor prints how long it took to raise and what it raised, then checks
 that the communicator refuses further use. With "mid-steps" after the count, rank 1
-dies inside the steps that read across processes instead (cma_steps.py: a 4 MiB
+dies inside the steps that read across processes instead (cma_steps.py: an 8 MiB
 all_reduce's direct path on 2 ranks; group_read_steps.py on 3 or more), after it
 posted its buffers: the others may be reading them or waiting on a flag. With
 "pipe", the call is a broadcast from rank 1 (2 ranks: through the pipe,
