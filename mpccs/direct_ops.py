@@ -47,16 +47,17 @@ DIRECT_SHM_MIN_BYTES = 384 << 10
 # DIRECT_CMA_MAX_BYTES: a 2-rank all_reduce of that size takes the direct path on
 # such a pair (comm._direct_by_cma). Up to it the halves fit the outboxes
 # (shm_steps.SHM_MAX_HALF_BYTES), which win where they fit: on the AMD host of the
-# fifty-second session, interleaved in one launch, 1.2-3.1x at 3-4 MiB in and out
-# of place (three launches), and against MPICH in alternating rounds 4 MiB went
-# from 0.76-0.90x (reads) to 1.6-2.1x (bench/results/outbox_4m_s52/); a read pins
-# the peer's pages per call, which costs most where page walks do (the reads from
-# huge pages were 1.4-2.0x faster: bench/results/hostmem_s31/). Earlier hosts read
-# 0.9-1.0x (twenty-fifth session: no difference at 4 MiB; before, medians of three
+# fifty-second session, interleaved in one launch, 1.56-4.03x at 3-4 MiB in and
+# out of place (bench/outbox_reads_ab.py, three launches), and against MPICH in
+# alternating rounds 4 MiB went from 0.70-0.90x (reads) to 1.39-2.12x
+# (bench/results/outbox_4m_s52/). A read pins the peer's pages every call, which
+# costs most where page walks do (reads from huge pages ran 1.4-2.0x faster:
+# bench/results/hostmem_s31/). Earlier hosts found the two even or the reads up to
+# 1.15x faster at 4 MiB (the twenty-fifth session: even; before, medians of three
 # with synchronised starts: outboxes 342-365 us at 2 MiB, 675-694 at 4; by reads
-# 353-361 / 586-624, 1062-1090 at 8 MiB, 1958-2050 at 16). Above, against the DAG's
-# ring: 5.3-5.8 ms against 12.8-13.5 at 32 MiB, 12.5-13.2 / 22.4-24.1 at 64, 31 /
-# 44-70 at 128, 62 / 88-91 at 256 (the bound: the largest size measured).
+# 353-361 / 586-624, 1062-1090 at 8 MiB, 1958-2050 at 16). Above, against the
+# DAG's ring: 5.3-5.8 ms against 12.8-13.5 at 32 MiB, 12.5-13.2 / 22.4-24.1 at 64,
+# 31 / 44-70 at 128, 62 / 88-91 at 256 (the bound: the largest size measured).
 DIRECT_CMA_FROM_BYTES = 2 * SHM_MAX_HALF_BYTES
 DIRECT_CMA_MAX_BYTES = 256 << 20
 # A 2-rank reduce_scatter, all_gather or all_to_all with blocks in this range,
