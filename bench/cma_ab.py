@@ -6,7 +6,9 @@ pair without the reads (2 ranks, one host).
 Float32, out of place, policy 'adaptive' as shipped, default planes, at the
 sizes where the reads apply: all_reduce from 2 MiB to the direct path's bound
 on such a pair (direct_ops.DIRECT_CMA_MAX_BYTES, 256 MiB; above 16 MiB the
-reads replace the DAG's ring), reduce_scatter, all_gather
+reads replace the DAG's ring; since the fifty-second session the pair's calls
+up to 4 MiB go through the outboxes instead, so "with" there is the outboxes),
+reduce_scatter, all_gather
 and all_to_all blocks of 1-8 MiB, broadcast and reduce (root 0) of 1-8 MiB (the
 reads go on to 128 MiB blocks)
 (DIRECT_CMA_BLOCK_BYTES). Each iteration times a
