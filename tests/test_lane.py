@@ -301,20 +301,26 @@ def test_a_late_peer_is_met_without_spinning(pool, late_rank):
     assert early[0] < 0.2, f"the early rank spent {early[0]:.2f} CPU seconds waiting 0.3 s"
 
 
+def arrive_late_in_turn(comm, k: int, every: int = 8) -> None:
+    """Every ``every``-th call one rank, in turn, comes 2 ms late: against a spin of 0
+    the others must sleep and be rung (on some hosts racing ranks always meet at once)."""
+    if k % every == 0 and (k // every) % comm.size == comm.rank:
+        time.sleep(0.002)
+
+
 def always_sleeping(comm, calls=400, late_every=8):
     """PEER_SPIN_S = 0: a rank that does not find every peer at its first look
     sleeps at once, so the ranks race through the flags and doorbells
     (test_group_lane.py runs it on 3 ranks). Ranks arriving together may all
     meet at their first look on some hosts (a CI run: none of 800 calls slept),
-    so every ``late_every``-th call one rank, in turn, comes 2 ms late and the
-    others must sleep and be rung: (exact results, calls that slept)."""
+    so some calls arrive late in turn (arrive_late_in_turn): (exact results,
+    calls that slept)."""
     direct_ops.PEER_SPIN_S = 0.0
     exact = slept = 0
     expected_rank_sum = sum(range(comm.size))
     try:
         for k in range(calls):
-            if k % late_every == 0 and (k // late_every) % comm.size == comm.rank:
-                time.sleep(0.002)
+            arrive_late_in_turn(comm, k, late_every)
             x = np.array([k, comm.rank], np.int64)
             exact += comm.all_reduce(x, np.empty_like(x)).tolist() == [comm.size * k, expected_rank_sum]
             slept += comm.last_stats()["slept_for_peer"]

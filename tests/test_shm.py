@@ -16,6 +16,7 @@ from mpccs.transports import cacheflush, shm
 from mpccs.transports.shm import FLAG_POSTED, SEGMENT_BYTES, ShmPair
 from landing_cases import RecordedLanding, recorded_flushes
 from rankpool import RankPool
+from test_lane import arrive_late_in_turn
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory segments need x86-64 and /dev/shm")
 
@@ -347,16 +348,15 @@ def always_sleeping(comm):
     """PEER_SPIN_S = 0: every rank that does not find its peer's fingerprint at its
     first look sleeps at once, so the two ranks race through the meeting's flags and
     doorbells on every call. Ranks arriving together may meet at their first look on
-    every call on some hosts, so every eighth call one rank, in turn, comes 2 ms late:
-    the other sleeps and is rung. Returns (exact results, calls that slept, calls that rang)."""
+    every call on some hosts, so some calls arrive late in turn (test_lane's
+    arrive_late_in_turn): the other sleeps and is rung. Returns (exact results, calls that slept, calls that rang)."""
     from mpccs import direct_ops
 
     direct_ops.PEER_SPIN_S = 0.0
     exact = slept = rang = 0
     try:
         for k in range(240):
-            if k % 8 == 0 and (k // 8) % 2 == comm.rank:
-                time.sleep(0.002)
+            arrive_late_in_turn(comm, k)
             n = 300_000 if k % 4 else 1_500_000  # through the outboxes; every fourth by reads (where they work)
             x = np.arange(n, dtype=np.float32) + comm.rank + k
             out = comm.all_reduce(x, np.empty_like(x))
