@@ -10,7 +10,7 @@ lands in lines the peer read a moment before, runs 6x slower than in the
 others; 'auto' flushes those lines first in such launches only. The state
 comes and goes between launches, so each round launches `mpccs-perf
 --in-place` with MPCCS_LANDING_FLUSH=never, then =auto, then MPICH in place
-(bench/peers.py mpi --in-place), the order rotating by round. Up to 2 MiB the
+(bench/peers.py mpi --in-place), the order rotating by round. Up to 8 MiB the
 call goes through the outboxes (shm_steps.py), flushed around step 1's copy
 where 'auto' chooses it, in place or out of place (--out-of-place: every
 launch out of place). The report gives
@@ -34,6 +34,7 @@ from stats import host_text, launched_rows, write_results  # noqa: E402
 
 from mpccs.control.landing import size_class_of  # noqa: E402
 from mpccs.direct_ops import DIRECT_CMA_FROM_BYTES  # noqa: E402
+from mpccs.shm_steps import rounds_for  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
 KINDS = ("never", "auto", "mpich")
@@ -59,11 +60,13 @@ def one_round(k: int, lo: str, hi: str, iters: str, in_place: bool) -> dict:
 
 def flushing(row: dict) -> bool:
     """Whether rank 0 flushed at the end of this row's size: its outboxes up to where the pair reads
-    across processes (shm_steps.py), its in-place landings above; either way the choice of the size
-    class of half the call."""
+    across processes (shm_steps.py: the choice of the size class of a round's share of a half),
+    its in-place landings above (of the size class of half the call)."""
     landing = row.get("landing") or {}
-    key = "outbox_flushing" if row["size"] <= DIRECT_CMA_FROM_BYTES else "flushing"
-    return size_class_of(row["size"] // 2) in landing.get(key, [])
+    half = row["size"] // 2
+    if row["size"] <= DIRECT_CMA_FROM_BYTES:
+        return size_class_of(half // rounds_for(half)) in landing.get("outbox_flushing", [])
+    return size_class_of(half) in landing.get("flushing", [])
 
 
 def report(rounds: list[dict], meta: dict) -> str:

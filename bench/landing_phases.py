@@ -103,8 +103,8 @@ def report(launches: list[dict], meta: dict) -> str:
 
 
 def main() -> None:
-    # 8 MiB: read across processes (up to 4 MiB the outboxes carry the call, which lands no read)
-    ran = ways_in_launches(__doc__, __file__, rank_main, launches=10, nbytes=8 << 20, calls=120)
+    # 16 MiB: read across processes (up to 8 MiB the outboxes carry the call, which lands no read)
+    ran = ways_in_launches(__doc__, __file__, rank_main, launches=10, nbytes=16 << 20, calls=120)
     if ran is None:
         return
     args, per_launch = ran

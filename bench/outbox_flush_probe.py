@@ -60,7 +60,7 @@ def rank_main(nbytes: int, calls: int, out: str) -> None:
             cacheflush.flush(self.own_box)
             np.copyto(self.own_box, self.theirs_in)
             cacheflush.flush(self.own_box)
-            pair.post(shm_steps.FLAG_POSTED, seq)
+            pair.post(shm_steps.FLAG_POSTED, self._flag())
         steps["copy_in"] = time.perf_counter() - start
 
     def reduce_own_half(self):

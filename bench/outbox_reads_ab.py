@@ -2,10 +2,12 @@
 across processes (direct_ops.DIRECT_CMA_FROM_BYTES)?
 
     mpccs-run -n 2 --no-prefix python bench/outbox_reads_ab.py --out bench/results/outbox_4m_s52
+    mpccs-run -n 2 --no-prefix python bench/outbox_reads_ab.py --sizes 8,16,32 --out DIR
 
 Float32, policy 'adaptive' as shipped, default planes, on a pair that reads
-across processes, at 3 and 4 MiB (halves of 1.5 and 2 MiB: the outbox holds
-2), out of place and in place. Each iteration times a block of back-to-back
+across processes, at --sizes MiB (default 3 and 4: halves of 1.5 and 2 MiB,
+one outbox each; a larger half goes through the outbox in rounds), out of
+place and in place. Each iteration times a block of back-to-back
 calls three ways, interleaved: read across processes (cma_steps.py; the
 shipped path above 4 MiB), through the outboxes (shm_steps.py; the shipped
 path to 4 MiB) and read again (the A/A floor). The way is switched on both
@@ -28,9 +30,8 @@ from stats import ab_cells, ab_meta, ab_parser, ab_report_head, interleaved_mode
 from stats import write_ab_results  # noqa: E402
 
 MIB = 1 << 20
-SIZES = (3 * MIB, 4 * MIB)
 # DIRECT_CMA_FROM_BYTES per way: below the size reads, at it the outboxes carry the call.
-WAYS = {"reads": 2 * MIB, "outboxes": 4 * MIB, "reads_again": 2 * MIB}
+WAYS = {"reads": 2 * MIB, "outboxes": None, "reads_again": 2 * MIB}  # None: the call's size
 
 
 def measure(comm, nbytes: int, in_place: bool, args) -> dict:
@@ -40,7 +41,7 @@ def measure(comm, nbytes: int, in_place: bool, args) -> dict:
     call = (lambda: comm.all_reduce(x, op="max")) if in_place else (lambda: comm.all_reduce(x, out))
 
     def time_way(way: str) -> float:
-        direct_ops.DIRECT_CMA_FROM_BYTES = WAYS[way]
+        direct_ops.DIRECT_CMA_FROM_BYTES = WAYS[way] or nbytes
         call()
         return time_block(comm, call, args.block)
 
@@ -49,7 +50,10 @@ def measure(comm, nbytes: int, in_place: bool, args) -> dict:
 
 
 def main() -> None:
-    args = ab_parser(__doc__, block=5).parse_args()
+    parser = ab_parser(__doc__, block=5)
+    parser.add_argument("--sizes", default="3,4", help="MiB, comma-separated")
+    args = parser.parse_args()
+    sizes = [int(float(mib) * MIB) for mib in args.sizes.split(",")]
     shipped = direct_ops.DIRECT_CMA_FROM_BYTES
     comm = mpccs.init()
     if not (comm.size == 2 and comm._engine.shm is not None and comm._engine.shm.cma):
@@ -57,7 +61,7 @@ def main() -> None:
     rows = []
     try:
         for in_place in (False, True):
-            for nbytes in SIZES:
+            for nbytes in sizes:
                 rows.append(measure(comm, nbytes, in_place, args))
                 if comm.rank == 0:
                     print(f"# progress: {'in place' if in_place else 'out of place'} {nbytes >> 20} MiB", flush=True)

@@ -88,9 +88,9 @@ def report(rounds: list[dict], meta: dict) -> str:
              "Per round: MPICH's median time / mpccs's (> 1: mpccs faster), each library's out-of-place call against "
              "the other's and in-place against in-place. Per size: the median of the rounds' ratios, their range, "
              "the rounds at >= 1.0x, each library's median time over all rounds, and the rounds in which mpccs's rank 0 "
-             "flushed the lines it lands in at that size (its outboxes to 2 MiB, its in-place landings above: "
+             "flushed the lines it lands in at that size (its outboxes to 8 MiB, its in-place landings above: "
              "docs/design.md; a launch does where those lines are slow to write). Where the pair reads across "
-             "processes (from 4 MiB), mpccs's rank 0 per step, medians over the rounds of each round's median: its "
+             "processes (above 8 MiB), mpccs's rank 0 per step, medians over the rounds of each round's median: its "
              "first step (reads and reduction), its landing (the second read), and its waits for the peer.", ""]
     for mode in meta["modes"]:
         lines += _mode_table(mode, [r[mode] for r in rounds])

@@ -45,11 +45,14 @@ DIRECT_SHM_MIN_BYTES = 384 << 10
 # Above this, where the pair allows cross-memory reads, the halves are read from
 # the peer's buffers (cma_steps.py) instead of copied through the outboxes, up to
 # DIRECT_CMA_MAX_BYTES: a 2-rank all_reduce of that size takes the direct path on
-# such a pair (comm._direct_by_cma). Up to it the halves fit the outboxes
-# (shm_steps.SHM_MAX_HALF_BYTES), which win where they fit: on the AMD host of the
-# fifty-second session, interleaved in one launch, 1.56-4.03x at 3-4 MiB in and
-# out of place (bench/outbox_reads_ab.py, three launches), and against MPICH in
-# alternating rounds 4 MiB went from 0.70-0.90x (reads) to 1.39-2.12x
+# such a pair (comm._direct_by_cma). Up to it the halves go through the outboxes
+# (shm_steps.py), in OUTBOX_ROUNDS rounds at most. On the AMD host of the
+# fifty-second and fifty-third sessions, interleaved in one launch
+# (bench/outbox_reads_ab.py), the reads' time over the outboxes': 1.56-4.03x at
+# 3-4 MiB (one round) in and out of place; at 8 MiB (two rounds) 1.29-1.40x in
+# place and 0.92-2.16x out of place, at 16 MiB 0.98-1.09x / 0.91-2.46x, at 32-64
+# MiB 0.72-0.85x (three launches each; bench/results/outbox_rounds_s53/). Against
+# MPICH in alternating rounds 4 MiB went from 0.70-0.90x (reads) to 1.39-2.12x
 # (bench/results/outbox_4m_s52/). A read pins the peer's pages every call, which
 # costs most where page walks do (reads from huge pages ran 1.4-2.0x faster:
 # bench/results/hostmem_s31/). Earlier hosts found the two even or the reads up to
@@ -58,7 +61,8 @@ DIRECT_SHM_MIN_BYTES = 384 << 10
 # 353-361 / 586-624, 1062-1090 at 8 MiB, 1958-2050 at 16). Above, against the
 # DAG's ring: 5.3-5.8 ms against 12.8-13.5 at 32 MiB, 12.5-13.2 / 22.4-24.1 at 64,
 # 31 / 44-70 at 128, 62 / 88-91 at 256 (the bound: the largest size measured).
-DIRECT_CMA_FROM_BYTES = 2 * SHM_MAX_HALF_BYTES
+OUTBOX_ROUNDS = 2
+DIRECT_CMA_FROM_BYTES = 2 * OUTBOX_ROUNDS * SHM_MAX_HALF_BYTES
 DIRECT_CMA_MAX_BYTES = 256 << 20
 # A 2-rank reduce_scatter, all_gather or all_to_all with blocks in this range,
 # or broadcast or reduce of a buffer in it, takes the direct path on such a pair

@@ -62,12 +62,12 @@ def test_peer_rounds_report_takes_the_median_of_per_round_ratios():
 def test_peer_rounds_reads_whether_mpccs_flushed_from_its_rows():
     rounds_mod = load("peer_rounds")
     mib = 1 << 20
-    landing = {"mode": "auto", "flushing": [2 * mib, 8 * mib], "outbox_flushing": [mib // 2], "switches": 2}
-    rows = [{"size": k * mib, "landing": landing} for k in (1, 4, 8, 16)]
-    # Each the size class of half the call. 1 MiB: through the outboxes, 512 KiB flushing; 4 MiB: through
-    # the outboxes too, 2 MiB not flushing there (the 2 MiB in "flushing" is a landing's); 8 MiB: read
-    # across processes, its 4 MiB landing not flushing; 16 MiB: its 8 MiB landing flushing.
-    assert {r["size"] // mib: rounds_mod.flushing(r) for r in rows} == {1: True, 4: False, 8: False, 16: True}
+    landing = {"mode": "auto", "flushing": [4 * mib, 16 * mib], "outbox_flushing": [mib // 2, 2 * mib], "switches": 2}
+    rows = [{"size": k * mib, "landing": landing} for k in (1, 2, 8, 16, 32)]
+    # 1 MiB: through the outboxes, its 512 KiB half flushing; 2 MiB: its 1 MiB half not; 8 MiB: through
+    # the outboxes in two rounds of 2 MiB, flushing (the 4 MiB in "flushing" is a landing's); 16 MiB: read
+    # across processes, its 8 MiB landing not flushing; 32 MiB: its 16 MiB landing flushing.
+    assert {r["size"] // mib: rounds_mod.flushing(r) for r in rows} == {1: True, 2: False, 8: True, 16: False, 32: True}
 
 
 def test_two_step_ab_reports_speedup_and_share_of_the_floor():

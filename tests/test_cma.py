@@ -18,7 +18,7 @@ import pytest
 import mpccs
 from collective_cases import dtype_of
 from mpccs import cma_steps
-from mpccs.direct_ops import DIRECT_CMA_FROM_BYTES
+from mpccs.direct_ops import DIRECT_CMA_FROM_BYTES, OUTBOX_ROUNDS
 from mpccs.control.landing import LandingChoices, size_class_of
 from mpccs.errors import TransportError
 from mpccs.transports import cacheflush, cma, shm
@@ -387,10 +387,10 @@ def pool():
 # give unequal halves
 CALLS = [
     (DIRECT_CMA_FROM_BYTES + 4, "float32", "sum", False),
-    (4 * MIB + 2, "float16", "max", True),
-    (6 * MIB, "bfloat16", "sum", False),
-    (5 * MIB + 8, "int64", "prod", True),
-    (8 * MIB, "float64", "avg", False),
+    (10 * MIB + 2, "float16", "max", True),
+    (12 * MIB, "bfloat16", "sum", False),
+    (9 * MIB + 8, "int64", "prod", True),
+    (16 * MIB, "float64", "avg", False),
     (20 * MIB, "float32", "min", True),  # in place, halves over the kept buffer: read in two parts
 ]
 
@@ -441,9 +441,9 @@ def test_direct_all_reduce_reads_its_halves_bit_exactly(pool, policy):
 
 
 def around_the_outboxes_bound(comm):
-    """float32 all_reduce of 4 MiB - 4 bytes (unequal halves, the larger 2 MiB), 4 MiB (two full
-    outboxes) and 4 MiB + 4, out of place and in place: (bytes, in place, algorithm, read
-    across processes (the steps' timeline, which only the reads keep), exact)."""
+    """float32 all_reduce of 8 MiB - 4 bytes (unequal halves, two rounds through the outboxes),
+    8 MiB (two full rounds) and 8 MiB + 4, out of place and in place: (bytes, in place,
+    algorithm, read across processes (the steps' timeline, which only the reads keep), exact)."""
     rows = []
     for nbytes in (DIRECT_CMA_FROM_BYTES - 4, DIRECT_CMA_FROM_BYTES, DIRECT_CMA_FROM_BYTES + 4):
         for in_place in (False, True):
@@ -458,8 +458,8 @@ def around_the_outboxes_bound(comm):
 
 
 def test_halves_that_fit_the_outboxes_go_through_them_and_larger_ones_are_read(pool):
-    # Where both ways work the outboxes won at 3-4 MiB (bench/results/outbox_4m_s52/).
-    assert DIRECT_CMA_FROM_BYTES == 2 * shm.OUTBOX_BYTES
+    # Where both ways work the outboxes won at 3-8 MiB (bench/results/outbox_rounds_s53/).
+    assert DIRECT_CMA_FROM_BYTES == 2 * OUTBOX_ROUNDS * shm.OUTBOX_BYTES == 8 * MIB
     for rows in pool.run(around_the_outboxes_bound):
         assert [(nbytes - DIRECT_CMA_FROM_BYTES, reads) for nbytes, _, _, reads, _ in rows] == \
             [(-4, False), (-4, False), (0, False), (0, False), (4, True), (4, True)], rows

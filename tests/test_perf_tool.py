@@ -321,7 +321,7 @@ def test_info_reports_the_stated_plane_rates():
 
 
 def test_rows_of_a_pair_that_reads_across_processes_carry_its_steps(tmp_path):
-    """A 2-rank all_reduce above 4 MiB reads its halves across processes (cma_steps.py):
+    """A 2-rank all_reduce above 8 MiB reads its halves across processes (cma_steps.py):
     its rows carry rank 0's median time per step, in place and out of place."""
     from mpccs.transports import cma, shm
 
@@ -330,7 +330,7 @@ def test_rows_of_a_pair_that_reads_across_processes_carry_its_steps(tmp_path):
     for in_place in (False, True):
         out = tmp_path / f"steps{int(in_place)}.json"
         p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "2", "--no-prefix", os.path.join(BIN, "mpccs-perf"),
-                            "all_reduce", "-b", "8M", "-e", "8M", "-n", "3", "-w", "1", "--path", "up", "-J", str(out),
+                            "all_reduce", "-b", "16M", "-e", "16M", "-n", "3", "-w", "1", "--path", "up", "-J", str(out),
                             *(["--in-place"] if in_place else [])],
                            env=clean_env(), capture_output=True, text=True, timeout=180)
         assert p.returncode == 0, p.stdout + p.stderr

@@ -21,13 +21,15 @@ def clean_env():
     return env
 
 
-# 1 MiB: the direct path through the outboxes, 20 trials; 8 MiB: the direct path reading
-# across processes (the peer dies before it calls), 3 trials; 8 MiB with the peer dying
-# inside those steps (rank 0 reads from it or waits on a flag in memory), 2 trials; 8 bytes
+# 1 MiB: the direct path through the outboxes, 20 trials; 16 MiB: the direct path reading
+# across processes (the peer dies before it calls), 3 trials; 16 MiB with the peer dying
+# inside those steps (rank 0 reads from it or waits on a flag in memory), 2 trials; 8 MiB
+# through the outboxes in two rounds, the peer dying at its second, 2 trials; 8 bytes
 # through the lane (lane_ops.py: rank 0 hands the call to the engine once it stops polling), 3 trials;
 # a 1 MiB broadcast from rank 1 through the pipe (pipe_steps.py), rank 1 dying after its first chunk, 2 trials.
-CASES = ([(1 << 18, "", trial) for trial in range(TRIALS)] + [(2 << 20, "", trial) for trial in range(3)]
-         + [(2 << 20, "mid-steps", trial) for trial in range(2)] + [(2, "", trial) for trial in range(3)]
+CASES = ([(1 << 18, "", trial) for trial in range(TRIALS)] + [(4 << 20, "", trial) for trial in range(3)]
+         + [(4 << 20, "mid-steps", trial) for trial in range(2)] + [(2 << 20, "mid-rounds", trial) for trial in range(2)]
+         + [(2, "", trial) for trial in range(3)]
          + [(1 << 18, "pipe", trial) for trial in range(2)])
 
 

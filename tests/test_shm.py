@@ -11,9 +11,9 @@ import mpccs
 from mpccs import engine
 from mpccs.bootstrap import usable_cores
 from mpccs.control.landing import LandingChoices, size_class_of
-from mpccs.shm_steps import ShmSteps
+from mpccs.shm_steps import ROUND_SPAN, SHM_MAX_HALF_BYTES, ShmSteps
 from mpccs.transports import cacheflush, shm
-from mpccs.transports.shm import FLAG_POSTED, SEGMENT_BYTES, ShmPair
+from mpccs.transports.shm import FLAG_POSTED, FLAG_ROUND_TAKEN, SEGMENT_BYTES, ShmPair
 from landing_cases import RecordedLanding, recorded_flushes
 from rankpool import RankPool
 from test_lane import arrive_late_in_turn
@@ -39,11 +39,11 @@ def _pairs():
 def _run_both(pairs, seq, ins, outs, op="sum", first=0, landings=(None, None)):
     """Drive both ranks' steps to the end, taking turns from rank ``first``."""
     steps = [ShmSteps(pairs[rank], seq, rank, ins[rank], outs[rank], op, landings[rank]) for rank in (first, 1 - first)]
-    for _ in range(10):
+    for _ in range(10 * steps[0].rounds):
         for s in steps:
             s.advance()
         if all(s.done for s in steps):
-            return
+            return steps
     raise AssertionError("the steps did not finish")
 
 
@@ -60,6 +60,47 @@ def test_all_reduce_halves_in_rank_order(n, in_place):
     for r in range(2):
         got = sources[r] if in_place else outs[r]
         assert got.tobytes() == expected.tobytes()
+
+
+# float32 elements: one past what a round holds, 2.5 MiB halves, 6 MiB ones (an odd count: halves differ by one)
+@pytest.mark.parametrize("n,rounds", [(2 * (SHM_MAX_HALF_BYTES // 4) + 2, 2), (5 << 18, 2), ((12 << 18) + 1, 4)])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_halves_larger_than_an_outbox_go_through_it_in_rounds(n, rounds, in_place):
+    """Each round carries its part of both halves; a rank writes its outbox again only once
+    its peer took the round before (distinct values per element show any part lost or
+    carried twice). Rank 1 starts: the larger half is rank 1's."""
+    pairs = _pairs()
+    ins = [(np.arange(n) % 1021 * (r + 1) + r).astype(np.float32) for r in range(2)]
+    expected = ins[0] + ins[1]
+    outs = [x.copy() for x in ins] if in_place else [np.full(n, np.nan, np.float32) for _ in range(2)]
+    for seq in (1, 2):  # the second call's flags must not be met by the first's
+        sources = outs if in_place else ins
+        if in_place:
+            for r in range(2):
+                outs[r][...] = ins[r]
+        steps = _run_both(pairs, seq, sources, outs, first=1)
+        assert [s.rounds for s in steps] == [rounds, rounds]
+        for r in range(2):
+            assert outs[r].tobytes() == expected.tobytes()
+
+
+def test_a_round_waits_for_its_own_flags():
+    """Round 1 does not start on round 0's flags: the peer's post of round 0 lets this
+    rank reduce once, and nothing more moves until the peer takes that round."""
+    pairs = _pairs()
+    n = 4 * (SHM_MAX_HALF_BYTES // 4)  # halves of two rounds each
+    ins = [np.ones(n, np.float32) * (r + 1) for r in range(2)]
+    outs = [np.zeros(n, np.float32) for _ in range(2)]
+    alone = ShmSteps(pairs[0], 3, 0, ins[0], outs[0], "sum")
+    assert alone.rounds == 2 and alone.waiting_for == "the peer's half in its segment (round 1 of 2)"
+    pairs[1].post(FLAG_POSTED, 3 * ROUND_SPAN)
+    assert alone.advance() and alone.round == 0 and alone.stage == 1
+    assert not alone.advance()
+    assert alone.waiting_for == "the peer to take this rank's half (round 1 of 2)"
+    pairs[1].post(FLAG_ROUND_TAKEN, 3 * ROUND_SPAN)
+    assert alone.advance() and alone.round == 1 and alone.stage == 0
+    assert int(pairs[1].peer_flags[FLAG_POSTED]) == 3 * ROUND_SPAN + 1  # round 1 posted
+    assert not alone.advance()
 
 
 @pytest.mark.parametrize("op,fold", [("max", np.maximum), ("min", np.minimum), ("prod", np.multiply)])
@@ -83,7 +124,7 @@ def test_a_rank_waits_for_its_peer_and_stale_flags_do_not_count():
     for _ in range(5):
         assert not alone.advance() and not alone.done  # rank 1 has not posted operation 2
     assert alone.waiting_for == "the peer's half in its segment"
-    pairs[1].post(FLAG_POSTED, 2)  # posted, not yet taken: half way only
+    pairs[1].post(FLAG_POSTED, 2 * ROUND_SPAN)  # posted, not yet taken: half way only
     alone.advance()
     assert alone.stage == 1 and not alone.done
 

@@ -73,11 +73,13 @@ from . import cma
 
 OUTBOX_BYTES = 2 << 20  # the largest block exchanged this way (shm_steps.SHM_MAX_BLOCK_BYTES)
 HEADER_BYTES = 4096
-FLAG_POSTED, FLAG_TAKEN = 0, 1  # my block is in my outbox / I am done with my peer's outbox
+FLAG_POSTED = 0  # seq x ROUND_SPAN + round: my part of that round is in my outbox (shm_steps.py)
+FLAG_TAKEN = 1  # I am done with my peer's outbox (pipe_steps.py)
 FLAG_CHUNKS = 2  # seq x CHUNK_SPAN + the chunks of my part in my outbox (pipe_steps.py)
 FLAG_WAITING = 3  # I sleep until you ring for seq
 FLAG_LANE_TAKEN = 4  # + slot: I have read your payload of operation seq in that lane slot
 FLAG_PIPE_SHAPE = 6  # the shape of the call whose chunks I post (pipe_steps.py)
+FLAG_ROUND_TAKEN = 7  # seq x ROUND_SPAN + round: I am done with my peer's outbox in that round (shm_steps.py)
 # The lane: two slots, so that a rank one operation ahead of its peer need not wait to post.
 # The largest payload (lane_ops.takes_lane chooses the calls). 2 ranks, default planes,
 # float32, the lane against the paths it replaced (the direct path's UCX messages below
