@@ -20,6 +20,7 @@ from .config import (DEFAULT_UP_TLS_CPU, GPU_DIRECT_OUT_TLS, GPU_DIRECT_UP_TLS, 
                      with_device_tls)
 from .collective_op import CollectiveOp
 from .direct_ops import (DIRECT_BLOCKS_MIN_BYTES, DIRECT_CMA_BLOCK_BYTES, DIRECT_CMA_MAX_BYTES, DIRECT_MAX_BYTES,
+                         DIRECT_OUTBOX_MAX_BYTES,
                          DIRECT_MEDIUM_BUDGET, DIRECT_SHM_MIN_BYTES, DirectAllGatherOp, DirectAllReduceOp,
                          DirectAllToAllOp, DirectBlocksAllReduceOp, DirectBroadcastOp, DirectReduceOp,
                          DirectPipeBlocksOp, DirectReduceScatterOp, DirectShmAllReduceOp, DirectShmBlocksOp, LightRecord,
@@ -915,6 +916,7 @@ class Communicator:
         return (count * itemsize <= DIRECT_MAX_BYTES or self._in_group_lane(collective, count * itemsize, call_bytes)
                 or self._direct_by_pipe(collective, count * itemsize)
                 or self._direct_by_cma(collective, count * itemsize, call_bytes)
+                or self._direct_by_outboxes(collective, call_bytes)
                 or self._direct_medium(collective, count, itemsize, call_bytes, root))
 
     def _in_group_lane(self, collective: str, block_bytes: int, call_bytes: int) -> bool:
@@ -976,6 +978,16 @@ class Communicator:
             return DIRECT_SHM_MIN_BYTES <= call_bytes <= DIRECT_CMA_MAX_BYTES
         low, high = DIRECT_CMA_BLOCK_BYTES
         return collective in CMA_BLOCK_COLLECTIVES and low <= block_bytes <= high
+
+    def _direct_by_outboxes(self, collective: str, call_bytes: int) -> bool:
+        """On a pair with the segments open that does not read across processes,
+        under policy 'up' or 'adaptive' (why 'adaptive' too: _direct_by_cma): a
+        2-rank all_reduce from DIRECT_SHM_MIN_BYTES to DIRECT_OUTBOX_MAX_BYTES
+        takes the direct path through the outboxes, in rounds where its halves are
+        larger (shm_steps.py). The same answer on every rank."""
+        pair = self._engine.shm
+        return (collective == "all_reduce" and pair is not None and not pair.cma
+                and self._policy in (UP, "adaptive") and DIRECT_SHM_MIN_BYTES <= call_bytes <= DIRECT_OUTBOX_MAX_BYTES)
 
     def _run_direct(self, name, send, out, op, result, async_op, finalize=None, root=None):
         if takes_lane(self._engine.shm, name, send):
@@ -1091,11 +1103,13 @@ class Communicator:
     def _through_segments(self, send: np.ndarray) -> bool:
         """A direct all_reduce the shared-memory segments carry (DirectShmAllReduceOp):
         2 ranks with the segments open, from DIRECT_SHM_MIN_BYTES, halves within the
-        outbox, or up to DIRECT_CMA_MAX_BYTES where the pair reads across processes."""
+        outbox, or up to DIRECT_CMA_MAX_BYTES where the pair reads across processes,
+        DIRECT_OUTBOX_MAX_BYTES where it does not (the outboxes in rounds)."""
         pair = self._engine.shm
         if send.nbytes < DIRECT_SHM_MIN_BYTES or pair is None:
             return False
-        return shm_steps.fits(send.nbytes - send.nbytes // 2) or (pair.cma and send.nbytes <= DIRECT_CMA_MAX_BYTES)
+        bound = DIRECT_CMA_MAX_BYTES if pair.cma else DIRECT_OUTBOX_MAX_BYTES
+        return shm_steps.fits(send.nbytes - send.nbytes // 2) or send.nbytes <= bound
 
     def _avg(self, op, buf):
         return (lambda: finish_avg(buf, self.size)) if op == "avg" else None

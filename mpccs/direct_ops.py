@@ -63,6 +63,11 @@ DIRECT_SHM_MIN_BYTES = 384 << 10
 # 31 / 44-70 at 128, 62 / 88-91 at 256 (the bound: the largest size measured).
 OUTBOX_ROUNDS = 2
 DIRECT_CMA_FROM_BYTES = 2 * OUTBOX_ROUNDS * SHM_MAX_HALF_BYTES
+# On a pair with the segments open that does not read across processes (a
+# container whose seccomp profile refuses process_vm_readv, MPCCS_CMA=0), a
+# 2-rank all_reduce from DIRECT_SHM_MIN_BYTES up to this goes through the
+# outboxes in as many rounds as it takes (comm._direct_by_outboxes).
+DIRECT_OUTBOX_MAX_BYTES = 256 << 20
 DIRECT_CMA_MAX_BYTES = 256 << 20
 # A 2-rank reduce_scatter, all_gather or all_to_all with blocks in this range,
 # or broadcast or reduce of a buffer in it, takes the direct path on such a pair

@@ -101,8 +101,8 @@ def test_direct_calls_let_go_of_the_callers_arrays(pool):
 
 
 def test_two_step_calls_let_go_of_the_callers_arrays():
-    """The two-step executor's record (a pair that does not read: 2 MiB all_reduce and blocks go two-step)."""
-    ranks = RankPool(2, env={"MPCCS_CMA": "0"})
+    """The two-step executor's record (a pair without the segments: 2 MiB all_reduce and blocks go two-step)."""
+    ranks = RankPool(2, env={"MPCCS_SHM": "0"})
     try:
         cases = [("all_reduce", 2 * MIB, False, False), ("all_reduce", 2 * MIB, True, True),
                  ("reduce_scatter", 4 * MIB, False, False), ("all_gather", 4 * MIB, False, False)]

@@ -194,7 +194,7 @@ def settled_adaptive_run(comm, n_ops):
 
 
 def test_settled_adaptive_runs_as_up_and_skips_the_done_round():
-    pool = RankPool(2, env={"MPCCS_CMA": "0"})  # (with reads across processes, 2 MiB would go direct)
+    pool = RankPool(2, env={"MPCCS_SHM": "0"})  # (with the segments open, 2 MiB would go direct)
     try:
         per_rank = pool.run(settled_adaptive_run, 40)
     finally:

@@ -54,18 +54,18 @@ def test_table_json_and_no_wrong_elements(tmp_path, collective):
         assert row["channels"] in (None, 1)  # one domain: no channels (None: the direct path keeps no schedule)
 
 
-@pytest.mark.parametrize("max_size, cma, settles", [("2M", "0", True), ("64K", "0", False), ("2M", "1", False)])
-def test_settle_runs_the_controllers_start_up_before_the_sweep(tmp_path, max_size, cma, settles):
+@pytest.mark.parametrize("max_size, shm, settles", [("2M", "0", True), ("64K", "0", False), ("2M", "1", False)])
+def test_settle_runs_the_controllers_start_up_before_the_sweep(tmp_path, max_size, shm, settles):
     """--settle N: N 'adaptive' operations at the first swept size the controller may
-    split (2 MiB here, with the pair's cross-memory reads off), timed against N under
-    'up' and reported apart; where no swept size is one it splits (64 KiB; or 2 MiB
-    on a pair that reads across processes: the direct path takes it), nothing runs
-    and the report says so."""
+    split (2 MiB here, with the pair's shared-memory segments closed), timed against N
+    under 'up' and reported apart; where no swept size is one it splits (64 KiB; or
+    2 MiB with the segments open: the direct path takes it), nothing runs and the
+    report says so."""
     out = tmp_path / "s.json"
     p = subprocess.run([os.path.join(BIN, "mpccs-run"), "-n", "2", "--no-prefix", os.path.join(BIN, "mpccs-perf"),
                         "all_reduce", "-b", "64K", "-e", max_size, "-f", "32", "-n", "2", "-w", "0",
                         "--policies", "up,adaptive", "--settle", "20", "-J", str(out)],
-                       env={**clean_env(), "MPCCS_CMA": cma}, capture_output=True, text=True, timeout=180)
+                       env={**clean_env(), "MPCCS_SHM": shm}, capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stdout + p.stderr
     line = next(x for x in p.stdout.splitlines() if x.startswith("# settle:"))
     settle = json.loads(out.read_text())["meta"]["settle"]

@@ -14,9 +14,10 @@ COUNT = (2 << 20) // 8 + 3  # 2 MiB of int64 per block, not a multiple of any ch
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}ranks")
 def pool(request):
-    # MPCCS_CMA=0: on a 2-rank pair that reads across processes, an 'adaptive' all_reduce
-    # of these sizes would take the direct path, not the DAG whose chunking this checks.
-    pool = RankPool(request.param, env={"MPCCS_CMA": "0"})
+    # An 'adaptive' all_reduce of these sizes would take the direct path, not the DAG whose
+    # chunking this checks: on 2 ranks through the segments' outboxes (MPCCS_SHM=0 closes
+    # them), on 3 by the group's reads across processes (MPCCS_CMA=0).
+    pool = RankPool(request.param, env={"MPCCS_SHM": "0"} if request.param == 2 else {"MPCCS_CMA": "0"})
     yield pool
     pool.close()
 

@@ -14,11 +14,14 @@ from mpccs.control.landing import LandingChoices, size_class_of
 from mpccs.shm_steps import ROUND_SPAN, SHM_MAX_HALF_BYTES, ShmSteps
 from mpccs.transports import cacheflush, shm
 from mpccs.transports.shm import FLAG_POSTED, FLAG_ROUND_TAKEN, SEGMENT_BYTES, ShmPair
+from collective_cases import dtype_of
 from landing_cases import RecordedLanding, recorded_flushes
 from rankpool import RankPool
+from test_two_step import inputs, reference
 from test_lane import arrive_late_in_turn
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory segments need x86-64 and /dev/shm")
+MIB = 1 << 20
 
 
 @pytest.fixture(scope="module")
@@ -417,3 +420,52 @@ def test_ranks_that_sleep_at_once_still_meet_every_time(pool):
     assert [r[0] for r in results] == [240, 240], results
     assert all(r[1] > 0 for r in results), results  # each rank took the sleeping path
     assert all(r[2] > 0 for r in results), results  # and rang the other
+
+
+# -- a pair that does not read across processes: the outboxes in rounds ----------------
+# (bytes, dtype, op, in place): one round, then 2, 3 and 6; odd counts give unequal halves
+NO_READS_CALLS = [
+    (2 * MIB + 4, "float32", "sum", False),
+    (5 * MIB + 2, "float16", "max", True),
+    (9 * MIB + 8, "int64", "prod", False),
+    (24 * MIB, "float64", "avg", True),
+]
+
+
+def no_reads_calls(comm, policy):
+    """NO_READS_CALLS under ``policy``, then a fixed split and an algorithm asked for:
+    (algorithm, read across processes, exact) per call."""
+    comm.set_path_policy(policy)
+    out = []
+    for nbytes, dtype, op, in_place in NO_READS_CALLS:
+        n = nbytes // dtype_of(dtype).itemsize
+        x = inputs(comm.rank, n, dtype)
+        got = x if in_place else np.full_like(x, 7)
+        comm.all_reduce(x, None if in_place else got, op=op)
+        stats = comm.last_stats()
+        out.append((stats["algorithm"], "steps_us" in stats, got.tobytes() == reference(n, dtype, op).tobytes()))
+    comm.set_path_policy(0.8)
+    comm.all_reduce(np.ones(2 * MIB, np.float32))
+    out.append(comm.last_stats()["algorithm"])
+    comm.set_path_policy("up")
+    comm.all_reduce(np.ones(2 * MIB, np.float32), algorithm="ring")
+    out.append(comm.last_stats()["algorithm"])
+    return comm._engine.shm is not None and comm._engine.shm.cma, out
+
+
+@pytest.fixture(scope="module")
+def no_reads_pool():
+    """MPCCS_CMA=0, as in a container whose seccomp profile refuses process_vm_readv."""
+    ranks = RankPool(2, env={"MPCCS_CMA": "0"})
+    yield ranks
+    ranks.close()
+
+
+@pytest.mark.parametrize("policy", ["up", "adaptive"])
+def test_a_pair_that_does_not_read_sends_larger_all_reduces_through_the_outboxes_in_rounds(no_reads_pool, policy):
+    """From 2 MiB (above one round's 4 MiB too) the all_reduce goes through the
+    outboxes, in rank order, bit-exact; a fixed split and an algorithm asked for do not."""
+    for reads, out in no_reads_pool.run(no_reads_calls, policy, timeout=120):
+        assert not reads
+        assert out[:-2] == [("direct_shm", False, True)] * len(NO_READS_CALLS), out
+        assert "direct_shm" not in out[-2:] and out[-1] == "ring", out

@@ -3,8 +3,9 @@ as two messages each way, agreed between the ranks in their fingerprint messages
 
 Runs on live ranks over real UCX planes (one pool for the module); what each
 call ran on comes from last_stats()["algorithm"]. The pools run with the
-pair's cross-memory reads off (MPCCS_CMA=0): with them these 2-rank calls
-take the direct path (test_cma.py), which is where the executor runs.
+pair's shared-memory segments closed (MPCCS_SHM=0): with them these 2-rank
+all_reduces take the direct path through the outboxes or by reads
+(test_shm.py, test_cma.py), which is where the executor runs.
 """
 import contextlib
 import dataclasses
@@ -20,7 +21,7 @@ MIB = 1 << 20
 
 
 def _pool():
-    return RankPool(2, env={"MPCCS_CMA": "0"})
+    return RankPool(2, env={"MPCCS_SHM": "0"})
 
 
 @pytest.fixture(scope="module")
