@@ -946,7 +946,8 @@ class Communicator:
     def _direct_by_pipe(self, collective: str, block_bytes: int) -> bool:
         """A 2-rank call whose part pipe_steps.takes (a broadcast or reduce above the
         lane's bound up to the outbox's 2 MiB; on a pair that does not read across
-        processes, an all_gather's block up to 768 KiB too), on a pair with the
+        processes, an all_gather's block up to 768 KiB too, and larger broadcasts and
+        reduces round the outbox: PIPE_MAX_BYTES_WITHOUT_READS), on a pair with the
         segments open, under policy 'up' or 'adaptive' (why 'adaptive' too:
         _direct_by_cma), goes through the outboxes in chunks
         (direct_ops.DirectPipeBlocksOp). The same answer on every rank."""

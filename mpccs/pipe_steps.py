@@ -5,7 +5,8 @@ chunk in and posts it, and the peer copies it out into its output (or reduces
 it there with its own operand) as soon as it is posted, while the owner copies
 the next. The pipe: direct_ops.DirectPipeBlocksOp, for a broadcast's or reduce's
 buffer above the lane's bound and within the outbox (PIPE_MAX_BYTES), and, on a
-pair that does not read across processes, an all_gather's block up to 768 KiB.
+pair that does not read across processes, an all_gather's block up to 768 KiB
+and a reduce's buffer (a broadcast's to 4 MiB) round the outbox (below).
 
 Why: a broadcast's or reduce's buffer there went as one UCX message (below 1 MiB)
 or as one cross-memory read of the peer's buffer (cma_steps.py), either way a
@@ -23,12 +24,15 @@ segments before either takes anything: direct_ops.SegmentMeetingOp):
 1. this rank writes its call's shape in FLAG_PIPE_SHAPE, then copies its part
    into its outbox PIPE_CHUNK_BYTES at a time, each chunk followed by
    FLAG_CHUNKS = seq x CHUNK_SPAN + the chunks posted so far (so the flag only
-   grows across operations, like every flag of the segments);
+   grows across operations, like every flag of the segments). A part larger
+   than the outbox goes round it: chunk k in place k mod ``ring``, posted once
+   the peer took chunk k - ``ring`` (its FLAG_CHUNKS_TAKEN);
 2. between its own chunks, and after them, it takes each chunk the peer has
    posted (once: the shapes agree) up to as many as it posted itself: the peer's
    chunk into its place in the output, or reduced there with this rank's
    operand of the same range in rank order (rank 0's on the left, as on every
-   path), and its own block's copy of that range;
+   path), and its own block's copy of that range; then FLAG_CHUNKS_TAKEN =
+   seq x CHUNK_SPAN + the peer's chunks taken whole;
 3. once it took the whole of the peer's part: FLAG_TAKEN = seq ("done with your
    outbox");
 4. done once the peer's FLAG_TAKEN reached seq as well (its outbox is written
@@ -47,7 +51,7 @@ import numpy as np
 from .cma_steps import SHAPE_CODES
 from .errors import TransportError
 from .reduce import reduce_to
-from .transports.shm import FLAG_CHUNKS, FLAG_PIPE_SHAPE, FLAG_TAKEN, LANE_MAX_BYTES, OUTBOX_BYTES
+from .transports.shm import FLAG_CHUNKS, FLAG_CHUNKS_TAKEN, FLAG_PIPE_SHAPE, FLAG_TAKEN, LANE_MAX_BYTES, OUTBOX_BYTES
 
 # The largest part that goes through the pipe, per collective: the rooted ones to
 # the outbox's size on every pair; all_gather, on a pair that does not read across
@@ -62,7 +66,14 @@ from .transports.shm import FLAG_CHUNKS, FLAG_PIPE_SHAPE, FLAG_TAKEN, LANE_MAX_B
 # lost everywhere: both ranks copy all the time, and the outbox adds a pass over
 # every byte.
 PIPE_MAX_BYTES = {"broadcast": OUTBOX_BYTES, "reduce": OUTBOX_BYTES}
-PIPE_MAX_BYTES_WITHOUT_READS = {**PIPE_MAX_BYTES, "all_gather": 768 << 10}
+# On a pair that does not read across processes (a container that refuses
+# process_vm_readv; MPCCS_CMA=0 MPCCS_UP_TLS=posix,sysv,self) the rooted ones go
+# round the outbox above its size, against the DAG's tree over UCX before,
+# interleaved in one launch (bench/results/outbox_no_reads_s53/, three launches):
+# reduce 2.2-4.7x at 4-256 MiB in and out of place; broadcast 1.29-1.51x at 4 MiB
+# but 0.28-0.52x at 16-64 MiB, where the reader's copies out of the lines the
+# root just wrote ran at ~2 GB/s (the tree's UCX copies at ~5).
+PIPE_MAX_BYTES_WITHOUT_READS = {"broadcast": 4 << 20, "reduce": 256 << 20, "all_gather": 768 << 10}
 # The outbox's pages stay in the writer's cache while the peer reads them: 128 KiB
 # chunks copied 1.06-1.25x faster than 256-512 KiB ones at 512 KiB-2 MiB (both
 # ranks' steps in one process); 32-64 KiB lost to the per-chunk cost.
@@ -93,9 +104,11 @@ class PipeSteps:
         self.pair, self.seq, self.rank, self.op, self.error = pair, seq, rank, op, error
         self.shape = SHAPE_CODES[collective] << 56 | root << 48 | src.nbytes
         self.chunk = max(1, PIPE_CHUNK_BYTES // src.itemsize)
-        self.part = part
-        self.own_box = pair.own_box[:part.nbytes].view(src.dtype)
-        self.peer_box = pair.peer_box[:count * src.itemsize].view(src.dtype)
+        self.ring = OUTBOX_BYTES // (self.chunk * src.itemsize)  # chunks the outbox holds
+        self.part, self.count = part, count
+        ring_bytes = self.ring * self.chunk * src.itemsize
+        self.own_box = pair.own_box[:min(part.nbytes, ring_bytes)].view(src.dtype)
+        self.peer_box = pair.peer_box[:min(count * src.itemsize, ring_bytes)].view(src.dtype)
         self.dest, self.operand, self.own_copy = _placement(collective, src, out, rank, count)
         self.posted = self.taken = 0  # elements of this rank's part posted, of the peer's taken
         self.base = seq * CHUNK_SPAN
@@ -110,11 +123,11 @@ class PipeSteps:
         if self.done:
             return False
         moved = False
-        if self.posted < self.part.size:
+        if self.posted < self.part.size and self._room_for_next():
             self._post_chunk()
             moved = True
         moved |= self._take_posted()
-        if not self.took_all and self.taken == self.peer_box.size:
+        if not self.took_all and self.taken == self.count:
             self.pair.post(FLAG_TAKEN, self.seq)
             self.took_all = moved = True
         if self.took_all and self.posted == self.part.size and (
@@ -129,14 +142,23 @@ class PipeSteps:
 
     @property
     def waiting_for(self) -> str:
-        if self.taken < self.peer_box.size:
-            return f"the peer's chunk at element {self.taken} of {self.peer_box.size} in its outbox"
+        if self.taken < self.count:
+            return f"the peer's chunk at element {self.taken} of {self.count} in its outbox"
+        if self.posted < self.part.size:
+            return f"the peer to take chunks of this rank's outbox (posted to element {self.posted})"
         return "the peer to take this rank's part" if not self.done else "nothing"
+
+    def _room_for_next(self) -> bool:
+        """Whether the outbox place of this rank's next chunk is free: the peer took
+        the chunk ``ring`` before it (a part within the outbox never waits)."""
+        k = self.posted // self.chunk
+        return k < self.ring or int(self.pair.peer_flags[FLAG_CHUNKS_TAKEN]) - self.base > k - self.ring
 
     def _post_chunk(self) -> None:
         lo, hi = self.posted, min(self.posted + self.chunk, self.part.size)
         if hi > lo:
-            self.own_box[lo:hi] = self.part[lo:hi]
+            at = lo // self.chunk % self.ring * self.chunk
+            self.own_box[at:at + hi - lo] = self.part[lo:hi]
             self.pair.post(FLAG_CHUNKS, self.base + -(-hi // self.chunk))  # the chunks posted so far
         self.posted = hi
 
@@ -144,17 +166,24 @@ class PipeSteps:
         """Take every chunk of the peer's part it has posted (at most as many as
         this rank posted: an in-place call's part is out of the way first)."""
         chunks = int(self.pair.peer_flags[FLAG_CHUNKS]) - self.base
-        if chunks <= 0 or self.taken == self.peer_box.size:
+        if chunks <= 0 or self.taken == self.count:
             return False
         if not self.shape_checked:
             self._check_shape()
-        ready = min(chunks * self.chunk, self.peer_box.size)
+        ready = min(chunks * self.chunk, self.count)
         if self.part.size:
             ready = min(ready, self.posted)
         if ready <= self.taken:
             return False
-        lo, self.taken = self.taken, ready
-        self._combine(lo, ready)
+        lo = self.taken
+        while lo < ready:  # chunk by chunk: places in the peer's outbox wrap round
+            end = min((lo // self.chunk + 1) * self.chunk, ready)
+            at = lo // self.chunk % self.ring * self.chunk + lo % self.chunk
+            self._combine(lo, end, self.peer_box[at:at + end - lo])
+            lo = end
+        self.taken = ready
+        whole = ready // self.chunk if ready < self.count else -(-ready // self.chunk)
+        self.pair.post(FLAG_CHUNKS_TAKEN, self.base + whole)
         return True
 
     def _check_shape(self) -> None:
@@ -166,8 +195,7 @@ class PipeSteps:
                              "not the same collective, root and size", self.step)
         self.shape_checked = True
 
-    def _combine(self, lo: int, hi: int) -> None:
-        theirs = self.peer_box[lo:hi]
+    def _combine(self, lo: int, hi: int, theirs: np.ndarray) -> None:
         if self.operand is not None:
             own = self.operand[lo:hi]
             left, right = (own, theirs) if self.rank == 0 else (theirs, own)

@@ -168,6 +168,68 @@ def test_a_rank_never_takes_more_than_it_posted(monkeypatch):
     assert mine.posted == mine.taken == 2 * 1024
 
 
+def _ring(monkeypatch, chunks=4):
+    """4 KiB chunks and an outbox of ``chunks`` of them: parts of a few KiB go round it."""
+    _chunks(monkeypatch)
+    monkeypatch.setattr(pipe_steps, "OUTBOX_BYTES", chunks * 4 * KIB)
+
+
+@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce"])
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_parts_larger_than_the_outbox_go_round_it(monkeypatch, collective, in_place, ahead):
+    """Parts of 4.4 outboxes (a short last chunk): each chunk lands once, in its place, in
+    rank order, whichever rank runs ahead (it cannot run more than an outbox ahead)."""
+    _ring(monkeypatch)
+    m = 4507  # float32 elements per block: 17.6 KiB, over four 4 KiB chunks an outbox
+    n = {"all_gather": m, "broadcast": 2 * m, "reduce": 2 * m}.get(collective, 2 * m)
+    ins = [inputs(r, n, "float32") for r in range(2)]
+    srcs = [x.copy() for x in ins]
+    root = 1 - ahead
+    if collective == "all_gather":
+        outs = [np.zeros(2 * m, np.float32) for _ in range(2)]
+        if in_place:
+            for r in range(2):
+                outs[r][r * m:(r + 1) * m] = ins[r]
+            srcs = [outs[r][r * m:(r + 1) * m] for r in range(2)]
+        expected = [np.concatenate(ins)] * 2
+    elif collective == "reduce_scatter":
+        outs = [srcs[r][r * m:(r + 1) * m] if in_place else np.zeros(m, np.float32) for r in range(2)]
+        total = reference(n, "float32", "sum")
+        expected = [total[r * m:(r + 1) * m] for r in range(2)]
+    elif collective == "all_to_all":
+        outs = srcs if in_place else [np.zeros(n, np.float32) for _ in range(2)]
+        expected = [np.concatenate([ins[0][r * m:(r + 1) * m], ins[1][r * m:(r + 1) * m]]) for r in range(2)]
+    elif collective == "broadcast":
+        outs = srcs
+        expected = [ins[root]] * 2
+    else:
+        outs = [(srcs[r] if in_place else np.zeros(n, np.float32)) if r == root else np.empty(0, np.float32)
+                for r in range(2)]
+        expected = [reference(n, "float32", "sum") if r == root else outs[r] for r in range(2)]
+    steps = _run_both(collective, srcs, outs, root=root, ahead=ahead)
+    assert steps[0].ring == 4
+    for r in range(2):
+        assert outs[r].tobytes() == expected[r].tobytes(), r
+
+
+def test_a_rank_waits_for_its_peer_to_take_before_going_round(monkeypatch):
+    """The outbox full (four chunks posted, none taken): the next chunk waits, and goes
+    in once the peer took the first."""
+    _ring(monkeypatch)
+    pairs = _pairs()
+    buf = np.arange(6 * 1024, dtype=np.float32)  # six chunks of 1024 float32
+    root = _steps(pairs[0], 0, "broadcast", buf, buf, 5, root=0)
+    for _ in range(5):
+        root.advance()
+    assert root.posted == 4 * 1024 and not root.advance()
+    assert root.waiting_for == "the peer to take chunks of this rank's outbox (posted to element 4096)"
+    reader_buf = np.zeros_like(buf)
+    reader = _steps(pairs[1], 1, "broadcast", reader_buf, reader_buf, 5, root=0)
+    assert reader.advance() and reader.taken == 4 * 1024  # all four, then FLAG_CHUNKS_TAKEN
+    assert root.advance() and root.posted == 5 * 1024
+
+
 def test_an_earlier_operations_chunks_do_not_count(monkeypatch):
     """FLAG_CHUNKS only grows (seq x CHUNK_SPAN + chunks): the peer's last operation,
     every chunk posted, is not this one's first chunk."""
@@ -217,6 +279,10 @@ def test_operations_back_to_back_reuse_the_outboxes(monkeypatch):
     ("reduce", 2 * MIB, True, True),
     ("reduce", 2 * MIB, False, True),
     ("reduce", 2 * MIB + 1, True, False),  # over the outbox: the reads
+    ("reduce", 256 * MIB, False, True),  # round the outbox, where the pair does not read
+    ("reduce", 256 * MIB + 1, False, False),
+    ("broadcast", 4 * MIB, False, True),
+    ("broadcast", 4 * MIB + 1, False, False),  # the tree won above
     ("all_gather", 512 * KIB, True, False),  # the reads (from 512 KiB), or below them the messages
     ("all_gather", 768 * KIB, False, True),  # a pair that does not read
     ("all_gather", MIB, False, False),
@@ -244,10 +310,14 @@ LIVE_CALLS = [
     ("reduce", MIB + 4, "float32", "avg", True, 0),
     ("reduce", 2 * MIB, "bfloat16", "max", False, 1),
 ]
-# On a pair that does not read across processes, all_gather's blocks too.
+# On a pair that does not read across processes, all_gather's blocks too, and the
+# rooted ones round the outbox.
 LIVE_CALLS_WITHOUT_READS = LIVE_CALLS + [
     ("all_gather", 500 * KIB + 4, "float32", "sum", False, 0),
     ("all_gather", 768 * KIB, "uint8", "sum", True, 0),
+    ("broadcast", 4 * MIB - 2, "float16", "sum", True, 1),
+    ("reduce", 9 * MIB + 8, "int64", "prod", True, 0),
+    ("reduce", 20 * MIB + 4, "float32", "sum", False, 1),
 ]
 
 

@@ -80,6 +80,7 @@ FLAG_WAITING = 3  # I sleep until you ring for seq
 FLAG_LANE_TAKEN = 4  # + slot: I have read your payload of operation seq in that lane slot
 FLAG_PIPE_SHAPE = 6  # the shape of the call whose chunks I post (pipe_steps.py)
 FLAG_ROUND_TAKEN = 7  # seq x ROUND_SPAN + round: I am done with my peer's outbox in that round (shm_steps.py)
+FLAG_CHUNKS_TAKEN = 11  # seq x CHUNK_SPAN + the chunks of my peer's part I took (pipe_steps.py)
 # The lane: two slots, so that a rank one operation ahead of its peer need not wait to post.
 # The largest payload (lane_ops.takes_lane chooses the calls). 2 ranks, default planes,
 # float32, the lane against the paths it replaced (the direct path's UCX messages below
@@ -122,7 +123,7 @@ class ShmPair:
         self._maps = (own, peer)
         self.cma = cma
         own_header, peer_header = _header(own), _header(peer)
-        self.own_flags, self.peer_flags = own_header[:8], peer_header[:8]
+        self.own_flags, self.peer_flags = own_header[:16], peer_header[:16]  # (words 8-10: WORD_*)
         ring = slice(FP_RING_AT, FP_RING_AT + FP_RING * FP_WORDS)
         self.own_fp = own_header[ring].reshape(FP_RING, FP_WORDS)
         self.peer_fp = peer_header[ring].reshape(FP_RING, FP_WORDS)
