@@ -3,10 +3,10 @@ part (direct_ops.peer_part: what the peer needs of this rank) goes through the
 shared-memory outboxes (transports/shm.py) in chunks: its owner copies each
 chunk in and posts it, and the peer copies it out into its output (or reduces
 it there with its own operand) as soon as it is posted, while the owner copies
-the next. The pipe: direct_ops.DirectPipeBlocksOp, for a broadcast's or reduce's
-buffer above the lane's bound and within the outbox (PIPE_MAX_BYTES), and, on a
-pair that does not read across processes, an all_gather's block up to 768 KiB
-and a reduce's buffer (a broadcast's to 4 MiB) round the outbox (below).
+the next. The pipe: direct_ops.DirectPipeBlocksOp, for a broadcast's buffer above the
+lane's bound and within the outbox, a reduce's to 256 MiB round the outbox
+(PIPE_MAX_BYTES), and, on a pair that does not read across processes, an
+all_gather's block up to 768 KiB and a broadcast's to 4 MiB.
 
 Why: a broadcast's or reduce's buffer there went as one UCX message (below 1 MiB)
 or as one cross-memory read of the peer's buffer (cma_steps.py), either way a
@@ -65,15 +65,17 @@ from .transports.shm import FLAG_CHUNKS, FLAG_CHUNKS_TAKEN, FLAG_PIPE_SHAPE, FLA
 # and 0.73-0.77x at 1-2 MiB. all_to_all (0.71-0.94x) and reduce_scatter (0.74-0.86x)
 # lost everywhere: both ranks copy all the time, and the outbox adds a pass over
 # every byte.
-PIPE_MAX_BYTES = {"broadcast": OUTBOX_BYTES, "reduce": OUTBOX_BYTES}
-# On a pair that does not read across processes (a container that refuses
-# process_vm_readv; MPCCS_CMA=0 MPCCS_UP_TLS=posix,sysv,self) the rooted ones go
-# round the outbox above its size, against the DAG's tree over UCX before,
-# interleaved in one launch (bench/results/outbox_no_reads_s53/, three launches):
-# reduce 2.2-4.7x at 4-256 MiB in and out of place; broadcast 1.29-1.51x at 4 MiB
-# but 0.28-0.52x at 16-64 MiB, where the reader's copies out of the lines the
-# root just wrote ran at ~2 GB/s (the tree's UCX copies at ~5).
-PIPE_MAX_BYTES_WITHOUT_READS = {"broadcast": 4 << 20, "reduce": 256 << 20, "all_gather": 768 << 10}
+# Above the outbox's size the parts go round it. A reduce, interleaved in one
+# launch, three launches each: against the reads 1.21-5.40x at 4 MiB, 0.80-1.85x
+# at 16, 0.92-1.44x at 64, 1.97-3.81x at 256 MiB (bench/results/pipe_ring_s53/);
+# on a pair that does not read (a container that refuses process_vm_readv:
+# MPCCS_CMA=0 MPCCS_UP_TLS=posix,sysv,self) against the DAG's tree over UCX
+# 2.2-4.7x at 4-256 MiB (bench/results/outbox_no_reads_s53/). A broadcast lost
+# from 16 MiB (against the reads 0.91x at 16 MiB and 0.22x at 64; against the
+# tree 0.28-0.52x at 16-64 MiB, 1.29-1.51x at 4 MiB): the reader's copies out of
+# lines the root had just written ran at ~2 GB/s.
+PIPE_MAX_BYTES = {"broadcast": OUTBOX_BYTES, "reduce": 256 << 20}
+PIPE_MAX_BYTES_WITHOUT_READS = {**PIPE_MAX_BYTES, "broadcast": 4 << 20, "all_gather": 768 << 10}
 # The outbox's pages stay in the writer's cache while the peer reads them: 128 KiB
 # chunks copied 1.06-1.25x faster than 256-512 KiB ones at 512 KiB-2 MiB (both
 # ranks' steps in one process); 32-64 KiB lost to the per-chunk cost.

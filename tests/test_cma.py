@@ -525,8 +525,9 @@ def all_to_all_blocks(comm, policy):
 
 
 def rooted_calls(comm, policy):
-    """broadcast and reduce of 2-8 MiB (above the pipe's bound: test_pipe.py) from either root,
-    odd counts, several dtypes and ops, reduce in and out of place: (collective, executor, exact)."""
+    """broadcast and reduce of 2-8 MiB (the broadcast above the pipe's bound, read; the reduce
+    round the outbox: test_pipe.py) from either root, odd counts, several dtypes and ops, reduce
+    in and out of place: (collective, executor, exact)."""
     comm.set_path_policy(policy)
     out = []
     cases = ((2 * MIB + 4, "float32", "sum", False), (2 * MIB + 2, "float16", "max", True),
@@ -547,9 +548,9 @@ def rooted_calls(comm, policy):
 
 
 @pytest.mark.parametrize("policy", ["up", "adaptive"])
-def test_broadcast_and_reduce_read_their_buffers_exactly(pool, policy):
+def test_broadcast_reads_its_buffer_and_reduce_goes_round_the_outbox_exactly(pool, policy):
     for per_rank in pool.run(rooted_calls, policy):
-        assert per_rank == [(c, "direct_shm", True) for c in ("broadcast", "reduce")] * 4, per_rank
+        assert per_rank == [("broadcast", "direct_shm", True), ("reduce", "direct_pipe", True)] * 4, per_rank
 
 
 def reader_runs_ahead(comm, n, algorithm):

@@ -278,9 +278,10 @@ def test_operations_back_to_back_reuse_the_outboxes(monkeypatch):
     ("broadcast", 384 * KIB + 1, True, True),
     ("reduce", 2 * MIB, True, True),
     ("reduce", 2 * MIB, False, True),
-    ("reduce", 2 * MIB + 1, True, False),  # over the outbox: the reads
-    ("reduce", 256 * MIB, False, True),  # round the outbox, where the pair does not read
+    ("reduce", 2 * MIB + 1, True, True),  # round the outbox, where the pair reads or not
+    ("reduce", 256 * MIB, True, True),
     ("reduce", 256 * MIB + 1, False, False),
+    ("broadcast", 2 * MIB + 1, True, False),  # the reads
     ("broadcast", 4 * MIB, False, True),
     ("broadcast", 4 * MIB + 1, False, False),  # the tree won above
     ("all_gather", 512 * KIB, True, False),  # the reads (from 512 KiB), or below them the messages
@@ -309,15 +310,15 @@ LIVE_CALLS = [
     ("reduce", 512 * KIB + 8, "int64", "prod", False, 1),
     ("reduce", MIB + 4, "float32", "avg", True, 0),
     ("reduce", 2 * MIB, "bfloat16", "max", False, 1),
+    ("reduce", 9 * MIB + 8, "int64", "prod", True, 0),  # round the outbox
+    ("reduce", 20 * MIB + 4, "float32", "sum", False, 1),
 ]
-# On a pair that does not read across processes, all_gather's blocks too, and the
-# rooted ones round the outbox.
+# On a pair that does not read across processes, all_gather's blocks too, and a
+# broadcast round the outbox.
 LIVE_CALLS_WITHOUT_READS = LIVE_CALLS + [
     ("all_gather", 500 * KIB + 4, "float32", "sum", False, 0),
     ("all_gather", 768 * KIB, "uint8", "sum", True, 0),
     ("broadcast", 4 * MIB - 2, "float16", "sum", True, 1),
-    ("reduce", 9 * MIB + 8, "int64", "prod", True, 0),
-    ("reduce", 20 * MIB + 4, "float32", "sum", False, 1),
 ]
 
 
