@@ -10,7 +10,8 @@ controller's two-step executor, ring or tree over UCX)?
 MPCCS_CMA=0 closes mpccs's reads; leaving `cma` out of the scale-up plane's
 UCX transports takes UCX's own cross-process copy away too, as such a
 container does. Float32, policy 'adaptive' as shipped, default planes,
---sizes MiB, out of place and in place (a broadcast: in place; root 0).
+--sizes MiB (a reduce_scatter's input: blocks of half that), out of place and
+in place (a broadcast: in place; a reduce_scatter: out of place; root 0).
 Each iteration times a block of back-to-back calls three ways, interleaved:
 the path before (the bound, direct_ops.DIRECT_OUTBOX_MAX_BYTES or the pipe's
 PIPE_MAX_BYTES_WITHOUT_READS, set to the outbox's on both ranks between the
@@ -44,7 +45,8 @@ def set_way(collective: str, outboxes: bool) -> None:
     if collective == "all_reduce":
         comm_module.DIRECT_OUTBOX_MAX_BYTES = 256 * MIB if outboxes else 0
     else:
-        pipe_steps.PIPE_MAX_BYTES_WITHOUT_READS[collective] = 256 * MIB if outboxes else shm.OUTBOX_BYTES
+        before = 0 if collective == "reduce_scatter" else shm.OUTBOX_BYTES
+        pipe_steps.PIPE_MAX_BYTES_WITHOUT_READS[collective] = 256 * MIB if outboxes else before
 
 
 def caller(comm, collective: str, x: np.ndarray, out: np.ndarray, in_place: bool):
@@ -54,6 +56,8 @@ def caller(comm, collective: str, x: np.ndarray, out: np.ndarray, in_place: bool
     if collective == "reduce":
         recv = None if in_place or comm.rank != 0 else out
         return lambda: comm.reduce(x, recv, op="max", root=0)
+    if collective == "reduce_scatter":  # (x: a block's worth for each rank)
+        return lambda: comm.reduce_scatter(x, out[:x.size // 2])
     return (lambda: comm.all_reduce(x, op="max")) if in_place else (lambda: comm.all_reduce(x, out))
 
 
@@ -75,7 +79,8 @@ def measure(comm, collective: str, nbytes: int, in_place: bool, args) -> dict:
 def main() -> None:
     parser = ab_parser(__doc__, block=5)
     parser.add_argument("--sizes", default="1,2,4,8,16,32,64", help="MiB, comma-separated")
-    parser.add_argument("--collective", default="all_reduce", choices=["all_reduce", "broadcast", "reduce"])
+    parser.add_argument("--collective", default="all_reduce",
+                        choices=["all_reduce", "broadcast", "reduce", "reduce_scatter"])
     args = parser.parse_args()
     sizes = [int(float(mib) * MIB) for mib in args.sizes.split(",")]
     shipped = comm_module.DIRECT_OUTBOX_MAX_BYTES, dict(pipe_steps.PIPE_MAX_BYTES_WITHOUT_READS)
@@ -85,7 +90,8 @@ def main() -> None:
                  "processes (MPCCS_CMA=0)")
     rows = []
     try:
-        for in_place in (False, True) if args.collective != "broadcast" else (True,):
+        modes = {"broadcast": (True,), "reduce_scatter": (False,)}.get(args.collective, (False, True))
+        for in_place in modes:
             for nbytes in sizes:
                 rows.append(measure(comm, args.collective, nbytes, in_place, args))
                 if comm.rank == 0:

@@ -6,7 +6,8 @@ it there with its own operand) as soon as it is posted, while the owner copies
 the next. The pipe: direct_ops.DirectPipeBlocksOp, for a broadcast's buffer above the
 lane's bound and within the outbox, a reduce's to 256 MiB round the outbox
 (PIPE_MAX_BYTES), and, on a pair that does not read across processes, an
-all_gather's block up to 768 KiB and a broadcast's to 4 MiB.
+all_gather's block up to 768 KiB, a broadcast's buffer to 4 MiB and a
+reduce_scatter's block to 128 MiB.
 
 Why: a broadcast's or reduce's buffer there went as one UCX message (below 1 MiB)
 or as one cross-memory read of the peer's buffer (cma_steps.py), either way a
@@ -73,9 +74,13 @@ from .transports.shm import FLAG_CHUNKS, FLAG_CHUNKS_TAKEN, FLAG_PIPE_SHAPE, FLA
 # 2.2-4.7x at 4-256 MiB (bench/results/outbox_no_reads_s53/). A broadcast lost
 # from 16 MiB (against the reads 0.91x at 16 MiB and 0.22x at 64; against the
 # tree 0.28-0.52x at 16-64 MiB, 1.29-1.51x at 4 MiB): the reader's copies out of
-# lines the root had just written ran at ~2 GB/s.
+# lines the root had just written ran at ~2 GB/s. A reduce_scatter, on a pair
+# that does not read, against the direct messages, the two-step executor or the
+# ring over UCX: 1.15-1.77x at 512 KiB-128 MiB blocks (all_gather 0.56-0.69x and
+# all_to_all 0.64-0.71x at 2-32 MiB: copies only, as the broadcast).
 PIPE_MAX_BYTES = {"broadcast": OUTBOX_BYTES, "reduce": 256 << 20}
-PIPE_MAX_BYTES_WITHOUT_READS = {**PIPE_MAX_BYTES, "broadcast": 4 << 20, "all_gather": 768 << 10}
+PIPE_MAX_BYTES_WITHOUT_READS = {**PIPE_MAX_BYTES, "broadcast": 4 << 20, "all_gather": 768 << 10,
+                                "reduce_scatter": 128 << 20}
 # The outbox's pages stay in the writer's cache while the peer reads them: 128 KiB
 # chunks copied 1.06-1.25x faster than 256-512 KiB ones at 512 KiB-2 MiB (both
 # ranks' steps in one process); 32-64 KiB lost to the per-chunk cost.

@@ -284,11 +284,14 @@ def test_operations_back_to_back_reuse_the_outboxes(monkeypatch):
     ("broadcast", 2 * MIB + 1, True, False),  # the reads
     ("broadcast", 4 * MIB, False, True),
     ("broadcast", 4 * MIB + 1, False, False),  # the tree won above
+    ("reduce_scatter", 128 * MIB, False, True),  # a pair that does not read
+    ("reduce_scatter", 128 * MIB + 1, False, False),
     ("all_gather", 512 * KIB, True, False),  # the reads (from 512 KiB), or below them the messages
     ("all_gather", 768 * KIB, False, True),  # a pair that does not read
     ("all_gather", MIB, False, False),
     ("all_to_all", 512 * KIB, False, False),
-    ("reduce_scatter", 512 * KIB, False, False),
+    ("reduce_scatter", 512 * KIB, True, False),  # the reads, where the pair reads
+    ("reduce_scatter", 512 * KIB, False, True),
     ("all_reduce", 512 * KIB, False, False),
 ])
 def test_what_takes_the_pipe(collective, nbytes, reads, expected):
@@ -319,6 +322,8 @@ LIVE_CALLS_WITHOUT_READS = LIVE_CALLS + [
     ("all_gather", 500 * KIB + 4, "float32", "sum", False, 0),
     ("all_gather", 768 * KIB, "uint8", "sum", True, 0),
     ("broadcast", 4 * MIB - 2, "float16", "sum", True, 1),
+    ("reduce_scatter", 600 * KIB + 8, "int64", "prod", False, 0),
+    ("reduce_scatter", 9 * MIB + 4, "float32", "sum", True, 0),
 ]
 
 
@@ -337,6 +342,11 @@ def _call(comm, collective, nbytes, dtype, op, in_place, root):
         exact = got.tobytes() == reference(n, dtype, op).tobytes() if me == root else \
             x.tobytes() == inputs(me, n, dtype).tobytes()
         return comm.last_stats()["algorithm"], exact
+    if collective == "reduce_scatter":  # n: the block; in place: the output is this rank's block of the input
+        x = inputs(me, 2 * n, dtype)
+        got = x[me * n:(me + 1) * n] if in_place else np.full(n, 7, dtype_of(dtype))
+        comm.reduce_scatter(x, got, op=op)
+        return comm.last_stats()["algorithm"], got.tobytes() == reference(2 * n, dtype, op)[me * n:(me + 1) * n].tobytes()
     out = np.full(2 * n, 7, dtype_of(dtype))
     x = inputs(me, n, dtype)
     if in_place:
