@@ -61,18 +61,19 @@ def caller(comm, collective: str, x: np.ndarray, out: np.ndarray, in_place: bool
     return (lambda: comm.all_reduce(x, op="max")) if in_place else (lambda: comm.all_reduce(x, out))
 
 
-def measure(comm, collective: str, nbytes: int, in_place: bool, args) -> dict:
+def measure(comm, collective: str, nbytes: int, in_place: bool, args, ways: dict, switch) -> dict:
+    """One size's rows: the ways interleaved, each switched on both ranks by ``switch(ways[way])``."""
     x = (np.arange(nbytes // 4) % 7).astype(np.float32)
     out = np.empty_like(x)
     call = caller(comm, collective, x, out, in_place)
 
     def time_way(way: str) -> float:
-        set_way(collective, WAYS[way])
+        switch(ways[way])
         comm._forget_plans()  # the kept answers of the other way
         call()
         return time_block(comm, call, args.block)
 
-    times, ran = interleaved_modes(comm, list(WAYS), time_way, args.iters, args.warmup)
+    times, ran = interleaved_modes(comm, list(ways), time_way, args.iters, args.warmup)
     return {"size": nbytes, "in_place": in_place, "algorithm": ran, "times_s": times}
 
 
@@ -93,7 +94,8 @@ def main() -> None:
         modes = {"broadcast": (True,), "reduce_scatter": (False,)}.get(args.collective, (False, True))
         for in_place in modes:
             for nbytes in sizes:
-                rows.append(measure(comm, args.collective, nbytes, in_place, args))
+                rows.append(measure(comm, args.collective, nbytes, in_place, args, WAYS,
+                                    lambda outboxes: set_way(args.collective, outboxes)))
                 if comm.rank == 0:
                     print(f"# progress: {'in place' if in_place else 'out of place'} {nbytes >> 20} MiB", flush=True)
     finally:

@@ -18,34 +18,17 @@ from __future__ import annotations
 import os
 import sys
 
-import numpy as np
-
 import mpccs
 from mpccs import pipe_steps
 from mpccs.transports import shm
 
 sys.path.insert(0, os.path.dirname(__file__))
-from outbox_no_reads_ab import caller  # noqa: E402
-from stats import ab_cells, ab_meta, ab_parser, ab_report_head, interleaved_modes, time_block  # noqa: E402
+from outbox_no_reads_ab import measure  # noqa: E402
+from stats import ab_cells, ab_meta, ab_parser, ab_report_head  # noqa: E402
 from stats import write_ab_results  # noqa: E402
 
 MIB = 1 << 20
 WAYS = {"reads": shm.OUTBOX_BYTES, "pipe": 256 * MIB, "reads_again": shm.OUTBOX_BYTES}  # the pipe's bound
-
-
-def measure(comm, collective: str, nbytes: int, in_place: bool, args) -> dict:
-    x = (np.arange(nbytes // 4) % 7).astype(np.float32)
-    out = np.empty_like(x)
-    call = caller(comm, collective, x, out, in_place)
-
-    def time_way(way: str) -> float:
-        pipe_steps.PIPE_MAX_BYTES[collective] = WAYS[way]
-        comm._forget_plans()  # the kept answers of the other way
-        call()
-        return time_block(comm, call, args.block)
-
-    times, ran = interleaved_modes(comm, list(WAYS), time_way, args.iters, args.warmup)
-    return {"size": nbytes, "in_place": in_place, "algorithm": ran, "times_s": times}
 
 
 def main() -> None:
@@ -62,7 +45,8 @@ def main() -> None:
     try:
         for in_place in (False, True) if args.collective == "reduce" else (True,):
             for nbytes in sizes:
-                rows.append(measure(comm, args.collective, nbytes, in_place, args))
+                rows.append(measure(comm, args.collective, nbytes, in_place, args, WAYS,
+                                    lambda bound: pipe_steps.PIPE_MAX_BYTES.__setitem__(args.collective, bound)))
                 if comm.rank == 0:
                     print(f"# progress: {'in place' if in_place else 'out of place'} {nbytes >> 20} MiB", flush=True)
     finally:
