@@ -1,7 +1,8 @@
 """A 2-rank all_reduce's exchanges of halves through shared-memory segments
 (transports/shm.py) instead of UCX messages, SHM_MAX_HALF_BYTES of each half
 per round (direct_ops.DirectShmAllReduceOp, on the direct path: one round up
-to 4 MiB, on a pair that reads across processes up to direct_ops.OUTBOX_ROUNDS).
+to 4 MiB; on a pair that reads across processes up to direct_ops.OUTBOX_ROUNDS,
+on one that does not to direct_ops.DIRECT_OUTBOX_MAX_BYTES).
 
 The halves of the two-step executor (two_step.halves): this rank's operand
 of the half it owns ``mine_in``, that half's result ``mine_out``, its operand
