@@ -6,10 +6,11 @@ Why: UCX moves a block on the scale-up plane by rendezvous (a request, the
 receiver's cross-process read, an acknowledgement), and posting and reaping
 those requests costs Python and UCX time per call. Here a block is one
 process_vm_readv (the same single copy UCX's cma transport makes) and a flag.
-The direct path's 2-rank all_reduce above what the outboxes hold (4 MiB:
-direct_ops.DIRECT_CMA_FROM_BYTES, DirectShmAllReduceOp) and its
+The direct path's 2-rank all_reduce above what the outboxes carry in rounds
+(direct_ops.DIRECT_CMA_FROM_BYTES, DirectShmAllReduceOp) and its
 reduce_scatter, all_gather and all_to_all of 512 KiB-128 MiB blocks and broadcast
-and reduce of 2-128 MiB (DirectShmBlocksOp; below, the pipe: pipe_steps.py) run so.
+of 2-128 MiB (DirectShmBlocksOp; below, and a reduce of any size to 256 MiB, the
+pipe: pipe_steps.py) run so.
 
 The blocks are those of two_step._geometry (all_to_all: _blocks): this rank's
 operand of the block it owns ``mine_in``, that block's result ``mine_out``, its

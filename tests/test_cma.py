@@ -25,7 +25,7 @@ from mpccs.transports import cacheflush, cma, shm
 from mpccs.transports.shm import SEGMENT_BYTES, SLOT_POSTED, SLOT_SHAPE, SLOTS, ShmPair
 from landing_cases import RecordedLanding, recorded_flushes
 from rankpool import RankPool
-from test_two_step import BLOCK_CALLS, block_calls, inputs, reference
+from test_two_step import BLOCK_CALLS, all_reduce_case, block_calls, inputs, reference
 
 pytestmark = pytest.mark.skipif(not (shm.supported() and cma.available()),
                                 reason="cross-memory reads need x86-64 Linux with process_vm_readv")
@@ -398,14 +398,9 @@ CALLS = [
 def direct_reads(comm, policy):
     comm.set_path_policy(policy)
     out = []
-    for nbytes, dtype, op, in_place in CALLS:
-        n = nbytes // dtype_of(dtype).itemsize
-        x = inputs(comm.rank, n, dtype)
-        got = x if in_place else np.full_like(x, 7)
-        comm.all_reduce(x, None if in_place else got, op=op)
-        if not in_place:
-            assert np.array_equal(x, inputs(comm.rank, n, dtype)), "the input changed out of place"
-        out.append((comm.last_stats()["algorithm"], got.tobytes() == reference(n, dtype, op).tobytes()))
+    for case in CALLS:
+        stats, exact = all_reduce_case(comm, *case)
+        out.append((stats["algorithm"], exact))
     return out
 
 

@@ -14,10 +14,9 @@ from mpccs.control.landing import LandingChoices, size_class_of
 from mpccs.shm_steps import ROUND_SPAN, SHM_MAX_HALF_BYTES, ShmSteps
 from mpccs.transports import cacheflush, shm
 from mpccs.transports.shm import FLAG_POSTED, FLAG_ROUND_TAKEN, SEGMENT_BYTES, ShmPair
-from collective_cases import dtype_of
 from landing_cases import RecordedLanding, recorded_flushes
 from rankpool import RankPool
-from test_two_step import inputs, reference
+from test_two_step import all_reduce_case
 from test_lane import arrive_late_in_turn
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="shared-memory segments need x86-64 and /dev/shm")
@@ -437,13 +436,9 @@ def no_reads_calls(comm, policy):
     (algorithm, read across processes, exact) per call."""
     comm.set_path_policy(policy)
     out = []
-    for nbytes, dtype, op, in_place in NO_READS_CALLS:
-        n = nbytes // dtype_of(dtype).itemsize
-        x = inputs(comm.rank, n, dtype)
-        got = x if in_place else np.full_like(x, 7)
-        comm.all_reduce(x, None if in_place else got, op=op)
-        stats = comm.last_stats()
-        out.append((stats["algorithm"], "steps_us" in stats, got.tobytes() == reference(n, dtype, op).tobytes()))
+    for case in NO_READS_CALLS:
+        stats, exact = all_reduce_case(comm, *case)
+        out.append((stats["algorithm"], "steps_us" in stats, exact))
     comm.set_path_policy(0.8)
     comm.all_reduce(np.ones(2 * MIB, np.float32))
     out.append(comm.last_stats()["algorithm"])

@@ -70,22 +70,26 @@ CALLS = [
 ]
 
 
+def all_reduce_case(comm, nbytes: int, dtype: str, op: str, in_place: bool) -> tuple[dict, bool]:
+    """One (bytes, dtype, op, in place) all_reduce of inputs(): (its last_stats, exact
+    against reference()); out of place, the input must come back unchanged."""
+    n = nbytes // dtype_of(dtype).itemsize
+    x = inputs(comm.rank, n, dtype)
+    got = x if in_place else np.full_like(x, 7)
+    comm.all_reduce(x, None if in_place else got, op=op)
+    if not in_place:
+        assert np.array_equal(x, inputs(comm.rank, n, dtype)), "the input changed out of place"
+    return comm.last_stats(), got.tobytes() == reference(n, dtype, op).tobytes()
+
+
 def calls_under(comm, policy):
     """Each of CALLS under ``policy``: (executor, exact) per call."""
     comm.set_path_policy(policy)
     out = []
     with readds_off(comm):
-        for nbytes, dtype, op, in_place in CALLS:
-            n = nbytes // dtype_of(dtype).itemsize
-            x = inputs(comm.rank, n, dtype)
-            if in_place:
-                got = x
-                comm.all_reduce(x, op=op)
-            else:
-                got = np.full_like(x, 7)
-                comm.all_reduce(x, got, op=op)
-                assert np.array_equal(x, inputs(comm.rank, n, dtype)), "the input changed out of place"
-            out.append((comm.last_stats()["algorithm"], got.tobytes() == reference(n, dtype, op).tobytes()))
+        for case in CALLS:
+            stats, exact = all_reduce_case(comm, *case)
+            out.append((stats["algorithm"], exact))
     return out
 
 
