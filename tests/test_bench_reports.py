@@ -1,5 +1,5 @@
 """The reports of bench/peer_rounds.py, two_step_ab.py, blocks_ab.py, cma_ab.py, group_lane_ab.py,
-setup_timeline.py, testbed_targets.py, shared_bottleneck.py and testbed_2x2.py, and bench/stats.py's interleaving, on synthetic
+setup_timeline.py, testbed_targets.py, shared_bottleneck.py and testbed_2x2.py, bench/stats.py's interleaving and adaptive_overhead.py's clock, on synthetic
 timings (the runs themselves are benchmarks, not tests)."""
 import importlib.util
 import json
@@ -390,3 +390,26 @@ def test_testbed_2x2_reads_the_best_fixed_split_against_the_best_single_plane():
     text, (scatter,) = two_by_two.report(other, "500mbit", "500mbit", 12, ["0.8", "0.75"], None)
     assert "reduce_scatter" in text.splitlines()[0] and "ceiling" not in scatter
     assert scatter["ratio"][0] == pytest.approx(1.10) and "| - | - | NOT MET |" in text
+
+
+def test_adaptive_overhead_clock_sums_time_and_calls_per_operation():
+    clock_mod = load("adaptive_overhead")
+
+    class Owner:
+        def work(self, x, *, twice=False):
+            if x < 0:
+                raise ValueError(x)
+            return 2 * x if twice else x
+
+    clock = clock_mod.Clock()
+    clock.wrap(Owner, "work")
+    owner = Owner()
+    assert owner.work(3) == 3 and owner.work(4, twice=True) == 8  # arguments and results pass through
+    with pytest.raises(ValueError):
+        owner.work(-1)  # an exception still counts its call and time
+    per_op = clock.per_op(2)
+    assert set(per_op) == {"work"}
+    assert per_op["work"]["calls"] == 1.5  # three calls over two operations
+    assert per_op["work"]["us"] > 0
+    clock.reset()
+    assert clock.per_op(1) == {}
