@@ -33,8 +33,8 @@ from mpccs import pipe_steps
 from mpccs.transports import shm
 
 sys.path.insert(0, os.path.dirname(__file__))
-from stats import ab_cells, ab_meta, ab_parser, ab_report_head, interleaved_modes, time_block  # noqa: E402
-from stats import write_ab_results  # noqa: E402
+from stats import ab_meta, ab_parser, ab_report_head, ab_size_row, interleaved_modes, size_sweep  # noqa: E402
+from stats import time_block, write_ab_results  # noqa: E402
 
 MIB = 1 << 20
 WAYS = {"before": False, "outboxes": True, "before_again": False}
@@ -89,15 +89,10 @@ def main() -> None:
     if not (comm.size == 2 and comm._engine.shm is not None and not comm._engine.shm.cma):
         sys.exit("needs 2 ranks on one host whose segments are open and whose pair does not read across "
                  "processes (MPCCS_CMA=0)")
-    rows = []
+    modes = {"broadcast": (True,), "reduce_scatter": (False,)}.get(args.collective, (False, True))
     try:
-        modes = {"broadcast": (True,), "reduce_scatter": (False,)}.get(args.collective, (False, True))
-        for in_place in modes:
-            for nbytes in sizes:
-                rows.append(measure(comm, args.collective, nbytes, in_place, args, WAYS,
-                                    lambda outboxes: set_way(args.collective, outboxes)))
-                if comm.rank == 0:
-                    print(f"# progress: {'in place' if in_place else 'out of place'} {nbytes >> 20} MiB", flush=True)
+        rows = size_sweep(comm, modes, sizes, lambda nbytes, in_place: measure(
+            comm, args.collective, nbytes, in_place, args, WAYS, lambda outboxes: set_way(args.collective, outboxes)))
     finally:
         comm_module.DIRECT_OUTBOX_MAX_BYTES = shipped[0]
         pipe_steps.PIPE_MAX_BYTES_WITHOUT_READS.update(shipped[1])
@@ -109,10 +104,7 @@ def main() -> None:
                                f"(2-rank {args.collective}, float32)", meta,
                                "| size | in place | path before | before (us) | outboxes (us) | before / outboxes "
                                "| A/A floor |", "|---:|---|---|---:|---:|---:|---:|")
-        for row in rows:
-            lines.append(f"| {row['size'] >> 20} MiB | {'yes' if row['in_place'] else 'no'} | "
-                         f"{row['algorithm']['before']} | "
-                         + ab_cells(row["times_s"], "before", "outboxes", "before_again") + " |")
+        lines += [ab_size_row(row, "before", "outboxes", "before_again", row["algorithm"]["before"]) for row in rows]
         lines += ["", f"Scale-up transports: {meta['up_tls']}. before / outboxes: the path before's time over the "
                   "outboxes' (> 1: the outboxes faster), paired 95% interval; the floor: before against before again."]
         name = "outbox_no_reads" + ("" if args.collective == "all_reduce" else f"_{args.collective}")

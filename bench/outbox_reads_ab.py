@@ -26,8 +26,8 @@ import mpccs
 from mpccs import direct_ops
 
 sys.path.insert(0, os.path.dirname(__file__))
-from stats import ab_cells, ab_meta, ab_parser, ab_report_head, interleaved_modes, time_block  # noqa: E402
-from stats import write_ab_results  # noqa: E402
+from stats import ab_meta, ab_parser, ab_report_head, ab_size_row, interleaved_modes, size_sweep  # noqa: E402
+from stats import time_block, write_ab_results  # noqa: E402
 
 MIB = 1 << 20
 # DIRECT_CMA_FROM_BYTES per way: below the size reads, at it the outboxes carry the call.
@@ -58,13 +58,8 @@ def main() -> None:
     comm = mpccs.init()
     if not (comm.size == 2 and comm._engine.shm is not None and comm._engine.shm.cma):
         sys.exit("needs 2 ranks on one host whose pair reads across processes")
-    rows = []
     try:
-        for in_place in (False, True):
-            for nbytes in sizes:
-                rows.append(measure(comm, nbytes, in_place, args))
-                if comm.rank == 0:
-                    print(f"# progress: {'in place' if in_place else 'out of place'} {nbytes >> 20} MiB", flush=True)
+        rows = size_sweep(comm, (False, True), sizes, lambda nbytes, in_place: measure(comm, nbytes, in_place, args))
     finally:
         direct_ops.DIRECT_CMA_FROM_BYTES = shipped
     if comm.rank == 0:
@@ -72,9 +67,7 @@ def main() -> None:
         lines = ab_report_head("Outboxes against reads across processes (2-rank all_reduce, float32)", meta,
                                "| size | in place | reads (us) | outboxes (us) | reads / outboxes | A/A floor |",
                                "|---:|---|---:|---:|---:|---:|")
-        for row in rows:
-            lines.append(f"| {row['size'] >> 20} MiB | {'yes' if row['in_place'] else 'no'} | "
-                         + ab_cells(row["times_s"], "reads", "outboxes", "reads_again") + " |")
+        lines += [ab_size_row(row, "reads", "outboxes", "reads_again") for row in rows]
         lines += ["", "reads / outboxes: the reads' time over the outboxes' (> 1: the outboxes faster), "
                   "paired 95% interval; the floor: reads against reads again."]
         write_ab_results(args.out, "outbox_reads.json", meta, rows, lines)

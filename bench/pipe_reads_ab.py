@@ -24,8 +24,7 @@ from mpccs.transports import shm
 
 sys.path.insert(0, os.path.dirname(__file__))
 from outbox_no_reads_ab import measure  # noqa: E402
-from stats import ab_cells, ab_meta, ab_parser, ab_report_head  # noqa: E402
-from stats import write_ab_results  # noqa: E402
+from stats import ab_meta, ab_parser, ab_report_head, ab_size_row, size_sweep, write_ab_results  # noqa: E402
 
 MIB = 1 << 20
 WAYS = {"reads": shm.OUTBOX_BYTES, "pipe": 256 * MIB, "reads_again": shm.OUTBOX_BYTES}  # the pipe's bound
@@ -41,14 +40,11 @@ def main() -> None:
     comm = mpccs.init()
     if not (comm.size == 2 and comm._engine.shm is not None and comm._engine.shm.cma):
         sys.exit("needs 2 ranks on one host whose pair reads across processes")
-    rows = []
+    switch = lambda bound: pipe_steps.PIPE_MAX_BYTES.__setitem__(args.collective, bound)  # noqa: E731
     try:
-        for in_place in (False, True) if args.collective == "reduce" else (True,):
-            for nbytes in sizes:
-                rows.append(measure(comm, args.collective, nbytes, in_place, args, WAYS,
-                                    lambda bound: pipe_steps.PIPE_MAX_BYTES.__setitem__(args.collective, bound)))
-                if comm.rank == 0:
-                    print(f"# progress: {'in place' if in_place else 'out of place'} {nbytes >> 20} MiB", flush=True)
+        rows = size_sweep(comm, (False, True) if args.collective == "reduce" else (True,), sizes,
+                          lambda nbytes, in_place: measure(comm, args.collective, nbytes, in_place, args, WAYS,
+                                                           switch))
     finally:
         pipe_steps.PIPE_MAX_BYTES.update(shipped)
     if comm.rank == 0:
@@ -58,9 +54,7 @@ def main() -> None:
                                "float32)", meta,
                                "| size | in place | reads (us) | pipe (us) | reads / pipe | A/A floor |",
                                "|---:|---|---:|---:|---:|---:|")
-        for row in rows:
-            lines.append(f"| {row['size'] >> 20} MiB | {'yes' if row['in_place'] else 'no'} | "
-                         + ab_cells(row["times_s"], "reads", "pipe", "reads_again") + " |")
+        lines += [ab_size_row(row, "reads", "pipe", "reads_again") for row in rows]
         lines += ["", "reads / pipe: the reads' time over the pipe's (> 1: the pipe faster), paired 95% interval; "
                   "the floor: reads against reads again."]
         write_ab_results(args.out, f"pipe_reads_{args.collective}.json", meta, rows, lines)

@@ -147,6 +147,25 @@ def ab_cells(times: dict, before: str, after: str, before_again: str) -> str:
             f"{point:.2f} [{lo:.2f}, {hi:.2f}] | {noise_floor(times[before], times[before_again]):.2f}")
 
 
+def ab_size_row(row: dict, before: str, after: str, before_again: str, *cells: str) -> str:
+    """A report line of one size_sweep row: its size in MiB, in place or not, ``cells``, then ab_cells."""
+    middle = "".join(f"{cell} | " for cell in cells)
+    return (f"| {row['size'] >> 20} MiB | {'yes' if row['in_place'] else 'no'} | {middle}"
+            + ab_cells(row["times_s"], before, after, before_again) + " |")
+
+
+def size_sweep(comm, in_place_modes, sizes, measure_one) -> list[dict]:
+    """``measure_one(nbytes, in_place)`` for every size, out of place and in place as
+    ``in_place_modes`` lists them (outermost), with a progress line on rank 0 after each."""
+    rows = []
+    for in_place in in_place_modes:
+        for nbytes in sizes:
+            rows.append(measure_one(nbytes, in_place))
+            if comm.rank == 0:
+                print(f"# progress: {'in place' if in_place else 'out of place'} {nbytes >> 20} MiB", flush=True)
+    return rows
+
+
 def ab_parser(doc: str, block: int) -> argparse.ArgumentParser:
     """The flags of the in-process interleaved A/B benchmarks (direct_ab, two_step_ab)."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])

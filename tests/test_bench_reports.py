@@ -413,3 +413,29 @@ def test_adaptive_overhead_clock_sums_time_and_calls_per_operation():
     assert per_op["work"]["us"] > 0
     clock.reset()
     assert clock.per_op(1) == {}
+
+
+def test_size_sweep_rows_and_their_report_lines(capsys):
+    stats = load("stats")
+
+    class Rank0:
+        rank = 0
+
+    seen = []
+
+    def measure_one(nbytes, in_place):
+        seen.append((nbytes, in_place))
+        return {"size": nbytes, "in_place": in_place, "algorithm": {"before": "ring"},
+                "times_s": {"a": [2.0, 2.0, 2.0], "b": [1.0, 1.0, 1.0], "a2": [2.0, 2.0, 2.0]}}
+
+    rows = stats.size_sweep(Rank0(), (False, True), [1 << 20, 4 << 20], measure_one)
+    assert seen == [(1 << 20, False), (4 << 20, False), (1 << 20, True), (4 << 20, True)]  # in place outermost
+    assert capsys.readouterr().out.splitlines() == [
+        "# progress: out of place 1 MiB", "# progress: out of place 4 MiB",
+        "# progress: in place 1 MiB", "# progress: in place 4 MiB"]
+    line = stats.ab_size_row(rows[2], "a", "b", "a2", rows[2]["algorithm"]["before"])
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[:3] == ["1 MiB", "yes", "ring"]
+    assert cells[3:5] == ["2000000", "1000000"]  # each way's median, in microseconds
+    assert cells[5].startswith("2.00 [2.00, 2.00]") and cells[6] == "0.00"  # a / b, and the A/A floor
+    assert stats.ab_size_row(rows[0], "a", "b", "a2").startswith("| 1 MiB | no | 2000000 |")
