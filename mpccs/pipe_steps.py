@@ -161,10 +161,14 @@ class PipeSteps:
         k = self.posted // self.chunk
         return k < self.ring or int(self.pair.peer_flags[FLAG_CHUNKS_TAKEN]) - self.base > k - self.ring
 
+    def _box_at(self, element: int) -> int:
+        """Where a part's element lies in its outbox: chunk k in place k mod ``ring``."""
+        return element // self.chunk % self.ring * self.chunk + element % self.chunk
+
     def _post_chunk(self) -> None:
         lo, hi = self.posted, min(self.posted + self.chunk, self.part.size)
         if hi > lo:
-            at = lo // self.chunk % self.ring * self.chunk
+            at = self._box_at(lo)
             self.own_box[at:at + hi - lo] = self.part[lo:hi]
             self.pair.post(FLAG_CHUNKS, self.base + -(-hi // self.chunk))  # the chunks posted so far
         self.posted = hi
@@ -185,7 +189,7 @@ class PipeSteps:
         lo = self.taken
         while lo < ready:  # chunk by chunk: places in the peer's outbox wrap round
             end = min((lo // self.chunk + 1) * self.chunk, ready)
-            at = lo // self.chunk % self.ring * self.chunk + lo % self.chunk
+            at = self._box_at(lo)
             self._combine(lo, end, self.peer_box[at:at + end - lo])
             lo = end
         self.taken = ready
