@@ -182,7 +182,7 @@ def test_parts_larger_than_the_outbox_go_round_it(monkeypatch, collective, in_pl
     rank order, whichever rank runs ahead (it cannot run more than an outbox ahead)."""
     _ring(monkeypatch)
     m = 4507  # float32 elements per block: 17.6 KiB, over four 4 KiB chunks an outbox
-    n = {"all_gather": m, "broadcast": 2 * m, "reduce": 2 * m}.get(collective, 2 * m)
+    n = m if collective == "all_gather" else 2 * m
     ins = [inputs(r, n, "float32") for r in range(2)]
     srcs = [x.copy() for x in ins]
     root = 1 - ahead
